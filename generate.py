@@ -1,0 +1,137 @@
+"""generate.py: the generation side of minigrpo.
+
+Samples G completions per prompt with the newest published adapter, scores them with the task's reward, and
+drops each finished group into RUN/rollouts/ready/ for the trainer. It shares nothing with the trainer but the
+run directory:
+  - it watches RUN/adapters/LATEST and loads a new version between batches (a batch finishes with the version
+    it started with, and every group is stamped with that version);
+  - it waits while ready/ holds --max_ready groups (backpressure), and logs how long it waited;
+  - it exits by itself when the trainer writes RUN/DONE.
+Start as many generators as you like on one run directory, on any machines that mount it.
+
+    python generate.py & python train.py                                  # the demo, one CPU machine
+    python generate.py --run_dir /mnt/bucket/run1 --device cuda:0         # one generator per GPU, any machine
+
+Left out on purpose: prompt deduplication across generators (each samples its own prompts from its own seed)
+and partial groups (a group is written whole or not at all).
+"""
+import os
+import random
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import HfArgumentParser
+
+from minigrpo.adapters import AdapterStore
+from minigrpo.engine import TorchEngine
+from minigrpo.lora import inject_lora
+from minigrpo.model import load_model, pick_device, stop_token_ids
+from minigrpo.rollouts import Group, RolloutBuffer
+from minigrpo.run import Metrics, RunSettings, done_path, join_run
+from minigrpo.tasks import make_task, score
+
+
+@dataclass
+class GenerateConfig:
+    run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory (folder, NFS, mounted bucket)"})
+    engine: str = field(default="torch", metadata={"help": "generation engine: torch (built in, CPU or GPU)"})
+    generator_id: str = field(default="", metadata={"help": "names this generator's files; default host-pid"})
+    prompts_per_batch: int = field(default=8, metadata={"help": "prompts sampled together; G completions each"})
+    max_ready: int = field(default=16, metadata={"help": "backpressure: wait while ready/ holds this many groups"})
+    seed: int = field(default=0, metadata={"help": "seed for prompts and sampling (mixed with generator_id)"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
+    dtype: str = field(default="float32", metadata={"help": "model weights: float32 | bfloat16 | float16"})
+    threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the trainer)"})
+    poll_s: float = field(default=0.05, metadata={"help": "how often to look at LATEST, ready/ and DONE while waiting"})
+    max_batches: int = field(default=0, metadata={"help": "stop after this many batches (0: until DONE)"})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def wait_for_room(buffer: RolloutBuffer, max_ready: int, done: str, poll_s: float) -> float:
+    """Backpressure: block while ready/ is full. Returns the seconds waited."""
+    t0 = time.time()
+    while buffer.count_ready() >= max_ready and not os.path.exists(done):
+        time.sleep(poll_s)
+    return time.time() - t0
+
+
+def wait_for_adapter(store: AdapterStore, done: str, poll_s: float):
+    """(version, path) named by LATEST; None if the run ended first. Waits for the trainer's first publish."""
+    t0, said = time.time(), False
+    while (latest := store.latest()) is None and not os.path.exists(done):
+        if not said and time.time() - t0 > 10:
+            print(f"waiting for the trainer to publish {store.root}/LATEST (is train.py running?)", flush=True)
+            said = True
+        time.sleep(poll_s)
+    return None if os.path.exists(done) else latest
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def main():
+    run, cfg = HfArgumentParser((RunSettings, GenerateConfig)).parse_args_into_dataclasses()
+    gen_id = cfg.generator_id or f"{socket.gethostname()}-{os.getpid()}"
+    done = done_path(cfg.run_dir)
+    if os.path.exists(done):
+        raise SystemExit(f"{cfg.run_dir} is a finished run ({done} exists): nothing to generate. "
+                         f"Delete it or pass another --run_dir to start a new run.")
+    if cfg.engine != "torch":
+        raise SystemExit(f"unknown --engine {cfg.engine!r}; available: torch")
+    join_run(cfg.run_dir, run)
+    torch.set_num_threads(cfg.threads)
+    device = pick_device(cfg.device)
+    model, tokenizer = load_model(run.model, device, cfg.dtype)
+    inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
+    engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
+    task, buffer, store = make_task(run.task), RolloutBuffer(cfg.run_dir), AdapterStore(cfg.run_dir)
+    metrics = Metrics(cfg.run_dir, f"generate-{gen_id}")
+    rng = random.Random(f"{cfg.seed}-{gen_id}")
+    print(f"generator {gen_id} on {device}: {cfg.prompts_per_batch} prompts x G={run.group_size} = "
+          f"{cfg.prompts_per_batch * run.group_size} completions per batch\n  {asdict(run)}\n  {asdict(cfg)}", flush=True)
+
+    batch = written = 0
+    while not cfg.max_batches or batch < cfg.max_batches:
+        backpressure_s = wait_for_room(buffer, cfg.max_ready, done, cfg.poll_s)
+        latest = wait_for_adapter(store, done, cfg.poll_s)
+        if latest is None:
+            break
+        t0 = time.time()
+        if latest[0] != engine.version:
+            try:
+                engine.load_adapter(*latest)
+            except FileNotFoundError:  # pruned between reading LATEST and loading it: read LATEST again
+                continue
+        sync_s = time.time() - t0
+
+        # ---- sample, score, write: one group per prompt, all with the version loaded now ----
+        problems = [task.sample(rng) for _ in range(cfg.prompts_per_batch)]
+        prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+        started, version = time.time(), engine.version
+        completions = engine.generate(prompts, n=run.group_size, max_new_tokens=run.max_new_tokens,
+                                      temperature=run.temperature, seed=rng.getrandbits(63))
+        gen_s = time.time() - started
+        rewards = score(task, tokenizer, problems, completions)
+        for prompt, group, r in zip(prompts, completions, rewards):
+            buffer.write(Group(prompt_ids=prompt, completion_ids=[c.token_ids for c in group],
+                               behavior_logprobs=[c.logprobs for c in group], rewards=r,
+                               truncated=[c.finish_reason == "length" for c in group], policy_version=version,
+                               temperature=run.temperature, started_at=started, finished_at=time.time()),
+                         gen_id, seq=written)
+            written += 1
+        batch += 1
+
+        # ---- log ----
+        n_tok = sum(len(c.token_ids) for g in completions for c in g)
+        flat = [x for r in rewards for x in r]
+        record = {"batch": batch, "policy_version": version, "reward/mean": sum(flat) / len(flat),
+                  "completions/mean_length": n_tok / len(flat), "rollout/generated_tok_s": n_tok / gen_s,
+                  "rollout/backpressure_s": backpressure_s, "perf/weight_sync_s": sync_s, "perf/generate_s": gen_s,
+                  "sample/rollout_queue_size": buffer.count_ready(), "time": time.time()}
+        metrics.log(record, f"gen {gen_id} batch {batch} | v{version} | reward {record['reward/mean']:.3f} | "
+                            f"{record['rollout/generated_tok_s']:.0f} tok/s | backpressure {backpressure_s:.2f}s")
+    print(f"generator {gen_id} stopped after {batch} batches", flush=True)
+
+
+if __name__ == "__main__":
+    main()

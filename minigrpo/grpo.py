@@ -1,0 +1,116 @@
+"""The GRPO family of losses as pure functions of tensors (spec: shared/spec/grpo.md, section 8).
+
+    A_i    = (r_i - mean_g r) / (std_g r + eps)          group-normalised advantage (unbiased std; 0 if std = 0)
+    rho    = pi_theta / pi_old                          policy ratio, per token
+    w      = min(pi_old / mu, tis_cap)                  truncated importance weight (1 when pi_old is mu)
+    l_t    = -w * min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)  +  beta * k3(pi_ref || pi_theta)
+
+and the per-token losses l are summed over valid tokens and divided by a normaliser that depends on loss_type:
+    grpo     1/B sum_i (sum_t l_it / |o_i|)      sequence mean of token means          (DeepSeekMath)
+    dapo     sum_it l_it / sum_i |o_i|           token mean over the whole batch        (DAPO)
+    dr_grpo  sum_it l_it / (B * max_new_tokens)  a constant, so no length bias          (Dr. GRPO)
+B and sum_i |o_i| are those of the whole optimizer batch, passed in as num_seqs / num_tokens when micro-batching.
+"""
+import torch
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+IS_MODES = ("token_truncate", "token_mask", "seq_truncate", "seq_mask")
+
+
+def advantages(rewards: torch.Tensor, G: int, scale_rewards: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """rewards (N*G,) in group order -> advantages (N*G,). Zero-std groups get exactly 0, never NaN."""
+    if G < 2:
+        raise ValueError(f"GRPO needs at least 2 completions per group, got G={G}")
+    if rewards.numel() % G:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of G={G}")
+    r = rewards.float().view(-1, G)  # (N, G)
+    adv = r - r.mean(1, keepdim=True)  # (N, G)
+    if scale_rewards:
+        adv = adv / (r.std(1, keepdim=True) + eps)  # unbiased std (ddof=1), the majority convention
+    constant = (r == r[:, :1]).all(1, keepdim=True)  # (N, 1)
+    return torch.where(constant, torch.zeros_like(adv), adv).view(-1)
+
+
+def zero_std_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
+    """(N,) bool: which groups have all-equal rewards (no learning signal; DAPO drops them)."""
+    r = rewards.view(-1, G)
+    return (r == r[:, :1]).all(1)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to max_len - cache_len, then a linear ramp to -1 at max_len."""
+    start = max_len - cache_len
+    ramp = (start - lengths.float()) / cache_len
+    return torch.where(lengths <= start, torch.zeros_like(ramp), torch.where(lengths <= max_len, ramp, -1.0))
+
+
+def is_weights(old_logp, behav_logp, mask, cap: float, mode: str = "token_truncate"):
+    """Importance weight pi_old / mu per token (B, T), capped ("truncate") or zeroed above the cap ("mask"),
+    per token or per sequence (rho_seq = exp sum_t (log pi_old - log mu)). Returns (w, rho) without gradient."""
+    if mode not in IS_MODES:
+        raise ValueError(f"is_mode must be one of {IS_MODES}, got {mode!r}")
+    log_rho = (old_logp - behav_logp).detach() * mask  # (B, T)
+    if mode.startswith("seq"):
+        log_rho = log_rho.sum(1, keepdim=True).expand_as(log_rho)  # (B, T), one value per sequence
+    rho = torch.exp(log_rho)
+    w = rho.clamp(max=cap) if mode.endswith("truncate") else rho * (rho <= cap)
+    return w, rho
+
+
+def grpo_loss(logp, old_logp, behav_logp, adv, mask, loss_type="grpo", eps_low=0.2, eps_high=0.2,
+              tis_cap=None, beta=0.0, ref_logp=None, max_new_tokens=None, is_mode="token_truncate",
+              num_seqs=None, num_tokens=None):
+    """logp, old_logp, behav_logp, mask: (B, T); adv: (B,). Only logp carries gradient. Returns (loss, metrics)."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    mask = mask.to(logp.dtype)
+    old_logp, behav_logp, adv = old_logp.detach(), behav_logp.detach(), adv.detach()
+    log_ratio = (logp - old_logp) * mask  # (B, T); 0 on padding so exp() stays finite
+    ratio = torch.exp(log_ratio)  # (B, T)
+    A = adv[:, None].to(logp.dtype)  # (B, 1)
+    surrogate = torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # (B, T)
+    w = torch.ones_like(logp)
+    if tis_cap is not None:
+        w, rho = is_weights(old_logp, behav_logp, mask, tis_cap, is_mode)
+    per_token = -w * surrogate  # (B, T)
+    if beta > 0:
+        delta = ((ref_logp.detach() - logp) * mask).clamp(-40, 40)  # (B, T)
+        per_token = per_token + beta * (torch.exp(delta) - delta - 1)  # k3 estimator of KL(pi_theta || pi_ref)
+
+    num_seqs = num_seqs or logp.shape[0]
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+    elif loss_type == "dapo":
+        loss = (per_token * mask).sum() / (num_tokens or mask.sum().clamp(min=1))
+    else:
+        if not max_new_tokens:
+            raise ValueError("loss_type='dr_grpo' normalises by max_new_tokens; pass it")
+        loss = (per_token * mask).sum() / (num_seqs * max_new_tokens)
+
+    with torch.no_grad():  # health signals over valid tokens (spec section 6)
+        valid = mask.bool()
+        r = ratio[valid]
+        A_tok = A.expand_as(ratio)[valid]
+        metrics = {"tokens": valid.sum().item(),
+                   "ratio/mean": r.mean().item(), "ratio/min": r.min().item(), "ratio/max": r.max().item(),
+                   "clip_ratio/low": ((r < 1 - eps_low) & (A_tok < 0)).float().mean().item(),
+                   "clip_ratio/high": ((r > 1 + eps_high) & (A_tok > 0)).float().mean().item(),
+                   "kl": ((r - 1) - torch.log(r)).mean().item()}  # k3 of KL(mu || pi_theta) when old is mu
+        if tis_cap is not None:
+            metrics |= {"is/mean": rho[valid].mean().item(), "is/frac_capped": (rho[valid] > tis_cap).float().mean().item()}
+    return loss, metrics
+
+
+def combine_metrics(parts: list[dict]) -> dict:
+    """Merge per-micro-batch metrics: */min and */max by min and max, the rest token-weighted means."""
+    total = sum(p["tokens"] for p in parts)
+    out = {}
+    for key in parts[0]:
+        values = [p[key] for p in parts]
+        if key == "tokens":
+            out[key] = total
+        elif key.endswith("/min") or key.endswith("/max"):
+            out[key] = (min if key.endswith("/min") else max)(values)
+        else:
+            out[key] = sum(v * p["tokens"] for v, p in zip(values, parts)) / max(total, 1)
+    return out

@@ -1,0 +1,152 @@
+"""Hand-written LoRA: y = W x + (alpha / r) * B (A x), with B = 0 at the start so a fresh adapter is an exact no-op.
+
+Only the LoRA matrices train; the base weights stay frozen. Adapters are saved and loaded in PEFT's directory
+format (adapter_config.json + adapter_model.safetensors, keys `base_model.model.<module>.lora_A.weight`), so
+peft and vLLM load ours and we load theirs.
+"""
+import contextlib
+import json
+import math
+import os
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model."
+
+
+class LoRALinear(nn.Module):
+    """Wraps a frozen nn.Linear. lora_A is (r, in), lora_B is (out, r), as PEFT stores them."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float):
+        super().__init__()
+        self.base, self.r, self.alpha, self.scaling = base, r, alpha, alpha / r
+        self.merged = False
+        # LoRA weights live in float32 whatever the base dtype: the update is tiny and must not round away
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=base.weight.device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=base.weight.device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # U(+-1/sqrt(in)), like nn.Linear and PEFT
+
+    def forward(self, x):  # x: (..., in)
+        y = self.base(x)  # (..., out)
+        if self.merged:
+            return y
+        delta = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T  # (..., r) -> (..., out)
+        return y + (self.scaling * delta).to(y.dtype)
+
+    def delta_weight(self):
+        return self.scaling * (self.lora_B @ self.lora_A)  # (out, in)
+
+    def merge(self):
+        """W <- W + (alpha/r) B A, so inference pays nothing; unmerge() undoes it (up to rounding)."""
+        if not self.merged:
+            self.base.weight.data += self.delta_weight().to(self.base.weight.dtype)
+            self.merged = True
+
+    def unmerge(self):
+        if self.merged:
+            self.base.weight.data -= self.delta_weight().to(self.base.weight.dtype)
+            self.merged = False
+
+
+def inject_lora(model: nn.Module, r: int, alpha: float, targets=DEFAULT_TARGETS) -> list[str]:
+    """Replace every nn.Linear whose last name part is in `targets` by a LoRALinear; freeze everything else."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets]
+    if not names:
+        raise ValueError(f"no nn.Linear named any of {list(targets)} in {type(model).__name__}")
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, LoRALinear(getattr(parent, child), r, alpha))
+    for n, p in model.named_parameters():
+        p.requires_grad = ".lora_" in n
+    return names
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextlib.contextmanager
+def lora_disabled(model: nn.Module):
+    """Run the (unmerged) model as its frozen base, e.g. for a reference-policy pass: scaling 0 switches B A off."""
+    layers = list(lora_layers(model).values())
+    saved = [layer.scaling for layer in layers]
+    for layer in layers:
+        layer.scaling = 0.0
+    try:
+        yield
+    finally:
+        for layer, scaling in zip(layers, saved):
+            layer.scaling = scaling
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter alone, under PEFT's tensor names."""
+    state = {}
+    for name, layer in lora_layers(model).items():
+        state[f"{PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.detach()
+        state[f"{PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B.detach()
+    return state
+
+
+def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]):
+    """Copy an adapter into the model's LoRA layers; every layer must be covered and every shape must match."""
+    layers = lora_layers(model)
+    expected = {f"{PEFT_PREFIX}{n}.lora_{ab}.weight" for n in layers for ab in "AB"}
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(f"adapter does not fit the model: missing {sorted(missing)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]}")
+    with torch.no_grad():
+        for name, layer in layers.items():
+            for ab in "AB":
+                param, value = getattr(layer, f"lora_{ab}"), state[f"{PEFT_PREFIX}{name}.lora_{ab}.weight"]
+                if param.shape != value.shape:
+                    raise ValueError(f"{name}.lora_{ab}: adapter has shape {tuple(value.shape)}, "
+                                     f"model expects {tuple(param.shape)}")
+                param.copy_(value)
+
+
+def adapter_config(r: int, alpha: float, targets, base_model: str) -> dict:
+    """The adapter_config.json PEFT writes for a plain LoRA (vLLM reads r, lora_alpha, target_modules)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": r, "lora_alpha": alpha, "target_modules": sorted(targets), "lora_dropout": 0.0,
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "modules_to_save": None, "init_lora_weights": True, "inference_mode": True}
+
+
+def save_adapter(path: str, state: dict[str, torch.Tensor], config: dict):
+    """Write a PEFT adapter directory. The caller makes it atomic (write to a temp dir, then rename)."""
+    os.makedirs(path, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read (config, tensors) of a PEFT adapter directory, with errors that name the directory."""
+    config_path, weights_path = (os.path.join(path, f) for f in ("adapter_config.json", "adapter_model.safetensors"))
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no adapter found in {path}: adapter_config.json is missing")
+    if not os.path.isfile(weights_path):
+        raise FileNotFoundError(f"adapter {path} has no adapter_model.safetensors")
+    with open(config_path) as f:
+        config = json.load(f)
+    if config.get("use_dora") or config.get("bias", "none") != "none" or config.get("use_rslora"):
+        raise ValueError(f"adapter {path}: only plain LoRA is supported (no DoRA, bias or rsLoRA)")
+    return config, load_file(weights_path)
+
+
+def load_adapter(model: nn.Module, path: str):
+    """Load a PEFT adapter directory into a model that inject_lora() wrapped with the same r and alpha."""
+    config, state = read_adapter(path)
+    for layer in lora_layers(model).values():
+        if (layer.r, layer.alpha) != (config["r"], config["lora_alpha"]):
+            raise ValueError(f"adapter {path} has r={config['r']}, alpha={config['lora_alpha']}; "
+                             f"the model was wrapped with r={layer.r}, alpha={layer.alpha}")
+        break
+    load_lora_state_dict(model, state)

@@ -1,0 +1,266 @@
+"""train.py: the training side of minigrpo.
+
+Reads scored groups from RUN/rollouts/ready/, drops those more than --max_staleness adapter versions old,
+computes GRPO on the LoRA weights only, and publishes a new adapter version into RUN/adapters/ every
+--sync_every steps. It never talks to a generator: the run directory is the only thing they share.
+
+    python generate.py & python train.py                # the demo on a laptop CPU, a few minutes
+    python train.py --run_dir /mnt/bucket/run1 ...      # any machine that mounts the run directory
+    (killed? run the same command again: it resumes from the newest checkpoint in RUN/checkpoints/)
+
+Where it departs from the GRPO paper, on purpose:
+  1. Asynchronous: old_logp is the generator's own log-prob of each token (the behaviour policy, TRL's
+     AsyncGRPO), so the clipped ratio is the off-policy control. --old_logp recompute adds a no-grad pass at
+     the current weights and truncated importance sampling against the behaviour policy instead (oat style).
+  2. One optimizer step per batch of groups; no PPO epochs over the same data.
+  3. No reference model unless --beta > 0 (DAPO and Dr. GRPO drop it too).
+  4. Stale groups are dropped whole and counted, never reweighted.
+"""
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import HfArgumentParser
+
+from minigrpo.adapters import AdapterStore
+from minigrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from minigrpo.engine import TorchEngine
+from minigrpo.grpo import advantages, combine_metrics, grpo_loss, overlong_penalty, zero_std_groups
+from minigrpo.lora import adapter_config, inject_lora, lora_disabled, lora_state_dict
+from minigrpo.model import load_model, pick_device, resolve_model, sequence_logprobs, stop_token_ids
+from minigrpo.rollouts import RolloutBuffer, is_fresh, validator
+from minigrpo.run import Metrics, RunSettings, done_path, join_run, write_atomic
+from minigrpo.tasks import make_task, score
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory (folder, NFS, mounted bucket)"})
+    max_steps: int = field(default=150, metadata={"help": "optimizer steps in the whole run"})
+    groups_per_step: int = field(default=8, metadata={"help": "groups (prompts) per optimizer step; x G = completions"})
+    lr: float = field(default=2e-3, metadata={"help": "AdamW learning rate on the LoRA weights"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping by global norm"})
+    loss_type: str = field(default="grpo", metadata={"help": "grpo | dr_grpo | dapo (see minigrpo/grpo.py)"})
+    eps_low: float = field(default=0.2, metadata={"help": "clip the ratio below at 1 - eps_low"})
+    eps_high: float | None = field(default=None, metadata={"help": "clip above at 1 + eps_high (default: 0.28 for dapo, else eps_low)"})
+    beta: float = field(default=0.0, metadata={"help": "weight of the k3 KL to the base model (0: no reference pass)"})
+    old_logp: str = field(default="behavior", metadata={"help": "behavior (generator log-probs) | recompute (no-grad pass)"})
+    tis_cap: float | None = field(default=None, metadata={"help": "truncated IS cap on pi_old/mu (default: 2 with recompute)"})
+    is_mode: str = field(default="token_truncate", metadata={"help": "token_truncate | token_mask | seq_truncate | seq_mask"})
+    overlong_cache: int = field(default=0, metadata={"help": "DAPO soft overlong penalty over the last N tokens (0: off)"})
+    max_staleness: int = field(default=4, metadata={"help": "drop groups more than this many versions old"})
+    sync_every: int = field(default=1, metadata={"help": "publish a new adapter version every N steps"})
+    save_every: int = field(default=25, metadata={"help": "checkpoint every N steps (resume point)"})
+    eval_every: int = field(default=25, metadata={"help": "pass@1 on the held-out set every N steps, and at step 0"})
+    eval_size: int = field(default=400, metadata={"help": "held-out problems per evaluation"})
+    micro_batch_tokens: int = field(default=4096, metadata={"help": "padded tokens per forward/backward micro-batch"})
+    seed: int = field(default=0, metadata={"help": "seed for the LoRA init and the evaluation samples"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
+    dtype: str = field(default="float32", metadata={"help": "base weights: float32 | bfloat16 | float16 (LoRA and loss stay float32)"})
+    threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the generator)"})
+    wait_timeout_s: float = field(default=600.0, metadata={"help": "fail if no rollout arrives for this long"})
+
+    def __post_init__(self):
+        if self.eps_high is None:
+            self.eps_high = 0.28 if self.loss_type == "dapo" else self.eps_low
+        if self.tis_cap is None and self.old_logp == "recompute":
+            self.tis_cap = 2.0
+        if self.old_logp not in ("behavior", "recompute"):
+            raise ValueError(f"--old_logp must be behavior or recompute, got {self.old_logp!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def take_batch(buffer, cfg, G, version, validate, stats):
+    """Block until cfg.groups_per_step fresh groups are claimed. Stale (and, for dapo, zero-std) groups are
+    claimed too, so a checkpoint deletes them, and counted in stats. Returns (groups, seconds waited)."""
+    t0, last_seen, groups = time.time(), time.time(), []
+    while len(groups) < cfg.groups_per_step:
+        taken = buffer.take(cfg.groups_per_step - len(groups), validate)
+        for g in taken:
+            if not is_fresh(version, g.policy_version, cfg.max_staleness):
+                stats["dropped_stale_total"] += 1
+            elif cfg.loss_type == "dapo" and zero_std_groups(torch.tensor(g.rewards), G).item():
+                stats["dropped_zero_std_total"] += 1
+            else:
+                groups.append(g)
+        if taken:
+            last_seen = time.time()
+        elif time.time() - last_seen > cfg.wait_timeout_s:
+            raise SystemExit(f"no rollouts arrived in {buffer.ready} for {cfg.wait_timeout_s:.0f}s: "
+                             f"is generate.py running with --run_dir {cfg.run_dir}?")
+        else:
+            time.sleep(0.02)
+    return groups, time.time() - t0
+
+
+def build_sequences(groups, run, cfg, G):
+    """One training sequence per completion: prompt + completion, its behaviour log-probs and advantage."""
+    rewards = torch.tensor([r for g in groups for r in g.rewards])  # (N*G,)
+    lengths = torch.tensor([len(c) for g in groups for c in g.completion_ids])  # (N*G,)
+    if cfg.overlong_cache:
+        rewards = rewards + overlong_penalty(lengths, run.max_new_tokens, cfg.overlong_cache)
+    adv = advantages(rewards, G, scale_rewards=cfg.loss_type != "dr_grpo")  # (N*G,)
+    seqs = [{"ids": g.prompt_ids + c, "P": len(g.prompt_ids), "behav": lp}
+            for g in groups for c, lp in zip(g.completion_ids, g.behavior_logprobs)]
+    for s, a in zip(seqs, adv.tolist()):
+        s["adv"] = a
+    return seqs, rewards, lengths
+
+
+def micro_batches(seqs, budget: int):
+    """Longest first, packed while (rows x longest row) fits the token budget: little padding, few passes."""
+    batches, current = [], []
+    for s in sorted(seqs, key=lambda s: -len(s["ids"])):
+        if current and (len(current) + 1) * len(current[0]["ids"]) > budget:
+            batches.append(current)
+            current = []
+        current.append(s)
+    return batches + [current] if current else batches
+
+
+def collate(seqs, pad_id, device):
+    """Right-padded (B, L) ids; (B, L-1) completion mask and behaviour log-probs aligned with the shifted logp."""
+    B, L = len(seqs), max(len(s["ids"]) for s in seqs)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn, mask, behav = torch.zeros(B, L, dtype=torch.long), torch.zeros(B, L - 1), torch.zeros(B, L - 1)
+    for i, s in enumerate(seqs):
+        n, P = len(s["ids"]), s["P"]
+        ids[i, :n], attn[i, :n] = torch.tensor(s["ids"]), 1
+        mask[i, P - 1:n - 1] = 1  # logp[:, t] scores token t + 1: completion tokens P..n-1 sit at P-1..n-2
+        behav[i, P - 1:n - 1] = torch.tensor(s["behav"])
+    adv = torch.tensor([s["adv"] for s in seqs])
+    return ids.to(device), attn.to(device), mask.to(device), behav.to(device), adv.to(device)
+
+
+def train_step(model, optimizer, seqs, run, cfg, pad_id, device):
+    """Forward/backward over token-budget micro-batches with the whole batch's normaliser, then one AdamW step."""
+    batches = [collate(mb, pad_id, device) for mb in micro_batches(seqs, cfg.micro_batch_tokens)]
+    num_seqs, num_tokens = len(seqs), sum(len(s["behav"]) for s in seqs)
+    old = [None] * len(batches)
+    if cfg.old_logp == "recompute":  # pi_old: the current weights, before this step's update
+        with torch.no_grad():
+            old = [sequence_logprobs(model, ids, attn, run.temperature)[0] for ids, attn, *_ in batches]
+    ref = [None] * len(batches)
+    if cfg.beta > 0:  # pi_ref: the base model, i.e. the adapter switched off
+        with torch.no_grad(), lora_disabled(model):
+            ref = [sequence_logprobs(model, ids, attn, run.temperature)[0] for ids, attn, *_ in batches]
+    parts, entropy_sum, loss_sum = [], 0.0, 0.0
+    for (ids, attn, mask, behav, adv), old_logp, ref_logp in zip(batches, old, ref):
+        logp, entropy = sequence_logprobs(model, ids, attn, run.temperature)  # (b, L-1) each
+        loss, m = grpo_loss(logp, behav if old_logp is None else old_logp, behav, adv, mask, cfg.loss_type,
+                            cfg.eps_low, cfg.eps_high, cfg.tis_cap, cfg.beta, ref_logp, run.max_new_tokens,
+                            cfg.is_mode, num_seqs=num_seqs, num_tokens=num_tokens)
+        loss.backward()
+        parts.append(m)
+        entropy_sum += (entropy * mask).sum().item()
+        loss_sum += loss.item()
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return combine_metrics(parts) | {"loss": loss_sum, "grad_norm": grad_norm, "entropy": entropy_sum / num_tokens,
+                                     "perf/micro_batches": len(batches)}
+
+
+def evaluate(engine, tokenizer, task, problems, run, seed) -> float:
+    """pass@1 at the run's temperature on a fixed held-out set (the same sampling seed every time)."""
+    prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+    completions = engine.generate(prompts, n=1, max_new_tokens=run.max_new_tokens, temperature=run.temperature, seed=seed)
+    return sum(r[0] for r in score(task, tokenizer, problems, completions)) / len(problems)
+
+
+def publish(store, model, version, config, keep) -> float:
+    t0 = time.time()
+    store.publish(version, lora_state_dict(model), config, keep)
+    return time.time() - t0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def main():
+    run, cfg = HfArgumentParser((RunSettings, TrainConfig)).parse_args_into_dataclasses()
+    if os.path.exists(done_path(cfg.run_dir)):
+        raise SystemExit(f"{cfg.run_dir} is a finished run ({done_path(cfg.run_dir)} exists). "
+                         f"Delete it (rm -r {cfg.run_dir}) or pass another --run_dir to start a new run.")
+    join_run(cfg.run_dir, run)
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    device, G = pick_device(cfg.device), run.group_size
+    model, tokenizer = load_model(run.model, device, cfg.dtype)
+    inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
+    task, buffer, store = make_task(run.task), RolloutBuffer(cfg.run_dir), AdapterStore(cfg.run_dir)
+    eval_problems = task.eval_problems(cfg.eval_size)
+    peft_config = adapter_config(run.lora_r, run.lora_alpha, run.lora_targets, os.path.abspath(resolve_model(run.model))
+                                 if run.model == "demo" else run.model)
+    metrics = Metrics(cfg.run_dir, "train")
+
+    # ---- resume from the newest checkpoint, if any; groups claimed after it go back to ready/ ----
+    stats, step = {"dropped_stale_total": 0, "dropped_zero_std_total": 0}, 0
+    if (ckpt := latest_checkpoint(cfg.run_dir)) is not None:
+        state = load_checkpoint(ckpt, model, optimizer)
+        step, stats = state["step"], state["stats"]
+        print(f"resumed from {ckpt} (step {step})", flush=True)
+    restored = buffer.restore_claimed()
+    # ---- publish first: version 0 is the untrained adapter, a resume publishes its weights under a new name ----
+    version = store.next_version()
+    publish(store, model, version, peft_config, keep=cfg.max_staleness + 1)
+    validate = validator(model.config.vocab_size, run.temperature, G, lambda: version)
+    adapter_mb = sum(p.numel() for p in params) * 4 / 2**20
+    print(f"trainer on {device}: {cfg.groups_per_step} groups x G={G} = {cfg.groups_per_step * G} completions per "
+          f"step, {cfg.max_steps} steps, max_staleness {cfg.max_staleness}, adapter {adapter_mb:.2f} MB "
+          f"(published {store.path(version)}), {restored} claimed groups returned to ready/\n"
+          f"  {asdict(run)}\n  {asdict(cfg)}", flush=True)
+    if step == 0:
+        acc = evaluate(engine, tokenizer, task, eval_problems, run, cfg.seed)
+        metrics.log({"step": 0, "eval/accuracy": acc, "version": version, "time": time.time()},
+                    f"step 0/{cfg.max_steps} | eval/accuracy {acc:.3f}")
+
+    while step < cfg.max_steps:
+        step += 1
+        t0 = time.time()
+        groups, wait_s = take_batch(buffer, cfg, G, version, validate, stats)
+        staleness = [version - g.policy_version for g in groups]
+        seqs, rewards, lengths = build_sequences(groups, run, cfg, G)
+        t1 = time.time()
+        m = train_step(model, optimizer, seqs, run, cfg, tokenizer.pad_token_id, device)
+        fwd_bwd_s, sync_s = time.time() - t1, 0.0
+        if step % cfg.sync_every == 0:
+            version += 1
+            sync_s = publish(store, model, version, peft_config, keep=cfg.max_staleness + 1)
+        if step % cfg.save_every == 0 or step == cfg.max_steps:
+            save_checkpoint(cfg.run_dir, step, lora_state_dict(model), peft_config, optimizer,
+                            {"stats": stats, "version": version, "run": asdict(run), "config": asdict(cfg)})
+            buffer.delete_claimed()  # the checkpoint now covers every group taken so far
+
+        record = {"step": step, "version": version, "loss": m["loss"], "reward/mean": rewards.mean().item(),
+                  "reward/std": rewards.std().item(), "frac_reward_zero_std": zero_std_groups(rewards, G).float().mean().item(),
+                  "completions/mean_length": lengths.float().mean().item(),
+                  "completions/truncated_frac": sum(t for g in groups for t in g.truncated) / len(seqs),
+                  **{k: v for k, v in m.items() if k != "tokens"},
+                  "sample/staleness_mean": sum(staleness) / len(staleness), "sample/staleness_max": max(staleness),
+                  **{f"sample/{k}": v for k, v in stats.items()}, "sample/bad_total": buffer.count_bad(),
+                  "sample/rollout_queue_size": buffer.count_ready(), "perf/rollout_wait_s": wait_s,
+                  "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s, "lr": cfg.lr,
+                  "group_ids": [g.group_id for g in groups]}
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            record["eval/accuracy"] = evaluate(engine, tokenizer, task, eval_problems, run, cfg.seed)
+        record["perf/step_s"] = time.time() - t0
+        record["time"] = time.time()
+        acc = f" | eval/accuracy {record['eval/accuracy']:.3f}" if "eval/accuracy" in record else ""
+        metrics.log(record, f"step {step}/{cfg.max_steps} | reward {record['reward/mean']:.3f} | "
+                            f"ratio {m['ratio/mean']:.4f} | clip {m['clip_ratio/low']:.3f}/{m['clip_ratio/high']:.3f} | "
+                            f"stale {record['sample/staleness_mean']:.1f} | v{version} | wait {wait_s:.2f}s | "
+                            f"dt {record['perf/step_s']:.2f}s{acc}")
+
+    write_atomic(done_path(cfg.run_dir), f"finished at step {step}, version {version}\n")
+    print(f"done: {cfg.run_dir} (DONE written)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
