@@ -39,7 +39,7 @@ class GenerateConfig:
     engine: str = field(default="torch", metadata={"help": "generation engine: torch (built in, CPU or GPU)"})
     generator_id: str = field(default="", metadata={"help": "names this generator's files; default host-pid"})
     prompts_per_batch: int = field(default=8, metadata={"help": "prompts sampled together; G completions each"})
-    max_ready: int = field(default=16, metadata={"help": "backpressure: wait while ready/ holds this many groups"})
+    max_ready: int = field(default=32, metadata={"help": "backpressure: wait while ready/ holds this many groups"})
     seed: int = field(default=0, metadata={"help": "seed for prompts and sampling (mixed with generator_id)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
     dtype: str = field(default="float32", metadata={"help": "model weights: float32 | bfloat16 | float16"})

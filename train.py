@@ -38,9 +38,9 @@ from minigrpo.tasks import make_task, score
 @dataclass
 class TrainConfig:
     run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory (folder, NFS, mounted bucket)"})
-    max_steps: int = field(default=150, metadata={"help": "optimizer steps in the whole run"})
-    groups_per_step: int = field(default=8, metadata={"help": "groups (prompts) per optimizer step; x G = completions"})
-    lr: float = field(default=2e-3, metadata={"help": "AdamW learning rate on the LoRA weights"})
+    max_steps: int = field(default=500, metadata={"help": "optimizer steps in the whole run"})
+    groups_per_step: int = field(default=16, metadata={"help": "groups (prompts) per optimizer step; x G = completions"})
+    lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate on the LoRA weights"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping by global norm"})
     loss_type: str = field(default="grpo", metadata={"help": "grpo | dr_grpo | dapo (see minigrpo/grpo.py)"})
@@ -54,7 +54,7 @@ class TrainConfig:
     max_staleness: int = field(default=4, metadata={"help": "drop groups more than this many versions old"})
     sync_every: int = field(default=1, metadata={"help": "publish a new adapter version every N steps"})
     save_every: int = field(default=25, metadata={"help": "checkpoint every N steps (resume point)"})
-    eval_every: int = field(default=25, metadata={"help": "pass@1 on the held-out set every N steps, and at step 0"})
+    eval_every: int = field(default=50, metadata={"help": "pass@1 on the held-out set every N steps, and at step 0"})
     eval_size: int = field(default=400, metadata={"help": "held-out problems per evaluation"})
     micro_batch_tokens: int = field(default=4096, metadata={"help": "padded tokens per forward/backward micro-batch"})
     seed: int = field(default=0, metadata={"help": "seed for the LoRA init and the evaluation samples"})

@@ -7,6 +7,7 @@ import os
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
 
@@ -28,6 +29,7 @@ def pick_device(device: str = "auto") -> torch.device:
 def load_model(name: str, device: torch.device, dtype: str = "float32"):
     """(model in eval mode with frozen weights, tokenizer). dtype: float32 | bfloat16 | float16."""
     path = resolve_model(name)
+    hf_logging.disable_progress_bar()  # one clean log line per step, no bars
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     for p in model.parameters():

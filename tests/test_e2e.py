@@ -1,0 +1,73 @@
+"""End to end: generate.py and train.py as two real processes sharing only a run directory, on the demo model.
+
+    python -m pytest -q tests/test_e2e.py        # about a minute and a half on a 2-core CPU
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 200
+
+
+def records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("e2e") / "run")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "g0"], cwd=ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        train = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", str(STEPS),
+                                "--eval_every", "100", "--save_every", "50"], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=600)
+        gen_out, _ = gen.communicate(timeout=60)  # the generator must exit by itself once DONE appears
+    finally:
+        gen.kill()
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    assert gen.returncode == 0, gen_out[-3000:]
+    return run_dir
+
+
+def test_accuracy_rises(demo_run):
+    evals = [r for r in records(os.path.join(demo_run, "metrics", "train.jsonl")) if "eval/accuracy" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == STEPS
+    assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.08, evals
+
+
+def test_every_group_was_trained_at_most_once(demo_run):
+    steps = [r for r in records(os.path.join(demo_run, "metrics", "train.jsonl")) if r["step"] > 0]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    ids = [g for r in steps for g in r["group_ids"]]
+    assert len(ids) == len(set(ids)) == STEPS * 16
+
+
+def test_first_step_is_on_policy(demo_run):
+    first = next(r for r in records(os.path.join(demo_run, "metrics", "train.jsonl")) if r["step"] == 1)
+    assert abs(first["ratio/mean"] - 1) < 1e-3 and first["sample/staleness_max"] == 0
+
+
+def test_generator_followed_the_adapter_versions(demo_run):
+    gen = records(os.path.join(demo_run, "metrics", "generate-g0.jsonl"))
+    assert len({r["policy_version"] for r in gen}) >= 3
+    train = records(os.path.join(demo_run, "metrics", "train.jsonl"))
+    for key in ("perf/rollout_wait_s", "sample/staleness_mean", "sample/dropped_stale_total", "clip_ratio/low",
+                "clip_ratio/high", "perf/weight_sync_s", "perf/step_s", "reward/mean"):
+        assert key in train[-1], key
+    assert all(k in gen[-1] for k in ("rollout/backpressure_s", "rollout/generated_tok_s", "policy_version"))
+
+
+def test_run_directory_is_left_consistent(demo_run):
+    assert os.path.exists(os.path.join(demo_run, "DONE"))
+    adapters = os.path.join(demo_run, "adapters")
+    latest = open(os.path.join(adapters, "LATEST")).read().strip()
+    assert os.path.isfile(os.path.join(adapters, latest, "adapter_model.safetensors"))
+    assert len([d for d in os.listdir(adapters) if d.startswith("policy-v")]) <= 4 + 2
+    assert os.listdir(os.path.join(demo_run, "rollouts", "claimed")) == []

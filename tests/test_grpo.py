@@ -1,0 +1,180 @@
+"""The loss and advantages against the hand-computed cases of shared/spec/grpo.md section 8.4 (T1-T12).
+
+    python -m pytest -q tests/test_grpo.py
+"""
+import math
+
+import pytest
+import torch
+
+from minigrpo.grpo import advantages, combine_metrics, grpo_loss, is_weights, overlong_penalty, zero_std_groups
+from minigrpo.rollouts import is_fresh
+
+close = lambda a, b, tol=1e-6: torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64),
+                                                          torch.as_tensor(b, dtype=torch.float64), rtol=0, atol=tol)
+
+
+def test_t1_scaled_advantage_uses_unbiased_std():
+    close(advantages(torch.tensor([1., 0, 0, 1]), 4, eps=0), [0.8660254, -0.8660254, -0.8660254, 0.8660254])
+    torch.testing.assert_close(advantages(torch.tensor([1., 0, 0, 1]), 4, eps=1e-6)[0], torch.tensor(0.8660239), rtol=1e-5, atol=0)
+
+
+def test_t2_asymmetric_group_and_scale_invariance():
+    close(advantages(torch.tensor([1., 0, 0, 0]), 4, eps=0), [1.5, -0.5, -0.5, -0.5])
+    close(advantages(torch.tensor([1., -1, -1, -1]), 4, eps=0), [1.5, -0.5, -0.5, -0.5])
+
+
+def test_t3_zero_std_groups_give_exact_zeros_and_are_counted():
+    for scale in (True, False):
+        for r in ([1., 1, 1, 1], [0., 0, 0, 0], [0.1, 0.1, 0.1, 0.1]):
+            adv = advantages(torch.tensor(r), 4, scale_rewards=scale)
+            assert torch.equal(adv, torch.zeros(4))
+    batch = torch.tensor([1., 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0])
+    zero = zero_std_groups(batch, 4)
+    assert zero.float().mean().item() == 0.5
+    assert batch.view(-1, 4)[~zero].numel() == 8
+
+
+def test_group_of_one_is_rejected():
+    with pytest.raises(ValueError, match="at least 2"):
+        advantages(torch.tensor([1.0, 0.0]), 1)
+
+
+def test_t4_dr_grpo_advantage_is_centred_not_scaled():
+    close(advantages(torch.tensor([1., 0, 0, 0]), 4, scale_rewards=False), [0.75, -0.25, -0.25, -0.25])
+
+
+@pytest.mark.parametrize("eps_high, expected", [(0.2, [-1.2, 0.8, 1.5, -0.5, -2.2]), (0.28, [-1.28, 0.8, 1.5, -0.5, -2.2])])
+def test_t5_clipped_surrogate_per_token(eps_high, expected):
+    r = torch.tensor([1.5, 0.5, 1.5, 0.5, 1.1])
+    A = torch.tensor([1., -1, -1, 1, 2])
+    logp = torch.log(r).requires_grad_()
+    zeros = torch.zeros(5, 1)
+    # one token per sequence, dapo with num_tokens=1 sums the per-token losses; check them one by one
+    for i in range(5):
+        loss, m = grpo_loss(logp[i:i + 1, None], zeros[i:i + 1], zeros[i:i + 1], A[i:i + 1], torch.ones(1, 1),
+                            "dapo", 0.2, eps_high)
+        close(loss.item(), expected[i], 1e-6)
+        grad, = torch.autograd.grad(loss, logp)
+        assert (grad[i] == 0) == (i in (0, 1)), "clipped tokens carry no gradient, unclipped ones do"
+    _, m = grpo_loss(logp[:, None], zeros, zeros, A, torch.ones(5, 1), "dapo", 0.2, 0.2)
+    close(m["clip_ratio/low"], 0.2)
+    close(m["clip_ratio/high"], 0.2)
+
+
+@pytest.mark.parametrize("loss_type, expected", [("grpo", 1.5), ("dapo", 10 / 6), ("dr_grpo", 0.625)])
+def test_t6_aggregation_and_padding_does_not_matter(loss_type, expected):
+    # with ratio 1 the per-token loss is -A: A = -1 gives losses [1, 1], A = -2 gives [2, 2, 2, 2]
+    loss, _ = grpo_loss(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 4), torch.tensor([-1., -2]),
+                        torch.tensor([[1., 1, 0, 0], [1, 1, 1, 1]]), loss_type, max_new_tokens=8)
+    close(loss.item(), expected)
+    garbage = torch.tensor([[0., 0, 5.0, -7.0], [0, 0, 0, 0]])  # padded positions hold arbitrary values
+    mask = torch.tensor([[1., 1, 0, 0], [1, 1, 1, 1]])
+    loss, _ = grpo_loss(garbage, garbage, garbage, torch.tensor([-1., -2]), mask, loss_type, max_new_tokens=8)
+    close(loss.item(), expected)
+
+
+T7 = {"grpo": (0.0, [-0.1767767, 0.1178511]), "dapo": (0.1414214, [-0.1414214, 0.1414214]),
+      "dr_grpo": (0.0625, [-0.0625, 0.0625])}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_t7_end_to_end_gradients_on_policy(loss_type):
+    scale = loss_type != "dr_grpo"
+    adv = advantages(torch.tensor([1., 0]), 2, scale_rewards=scale, eps=0)
+    close(adv, [0.7071068, -0.7071068] if scale else [0.5, -0.5])
+    mask = torch.tensor([[1., 1, 0], [1, 1, 1]])
+    logp = torch.full((2, 3), -1.0, requires_grad=True)
+    loss, m = grpo_loss(logp, logp.detach(), logp.detach(), adv, mask, loss_type, max_new_tokens=4)
+    loss.backward()
+    value, (g1, g2) = T7[loss_type]
+    close(loss.item(), value)
+    close(logp.grad, [[g1, g1, 0], [g2, g2, g2]])
+    assert m["ratio/mean"] == 1.0
+
+
+def test_t7_dr_grpo_with_scaled_advantages():
+    adv = advantages(torch.tensor([1., 0]), 2, eps=0)
+    mask = torch.tensor([[1., 1, 0], [1, 1, 1]])
+    loss, _ = grpo_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), adv, mask, "dr_grpo", max_new_tokens=4)
+    close(loss.item(), 0.0883883)
+
+
+def test_t8_importance_weights():
+    old, behav, mask = torch.tensor([[-0.1, -1.0, -2.0]]), torch.tensor([[-0.2, -0.5, -3.0]]), torch.ones(1, 3)
+    w, rho = is_weights(old, behav, mask, 2.0, "token_truncate")
+    close(rho, [[1.1051709, 0.6065307, 2.7182818]])
+    close(w, [[1.1051709, 0.6065307, 2.0]])
+    close((rho > 2).float().mean(), 1 / 3)
+    close(is_weights(old, behav, mask, 2.0, "token_mask")[0], [[1.1051709, 0.6065307, 0.0]])
+    close(is_weights(old, behav, mask, 1.5, "seq_truncate")[1], [[1.8221188] * 3])
+    close(is_weights(old, behav, mask, 1.5, "seq_truncate")[0], [[1.5] * 3])
+    close(is_weights(old, behav, mask, 1.5, "seq_mask")[0], [[0.0] * 3])
+
+
+@pytest.mark.parametrize("behav, loss_value", [(-1.5, -1.8221188), (-2.0, -2.2103418)])
+def test_t9_recompute_mode_weights_by_truncated_is(behav, loss_value):
+    logp = torch.tensor([[-0.9]], requires_grad=True)
+    old = torch.tensor([[-1.0]], requires_grad=True)
+    behav_t = torch.tensor([[behav]], requires_grad=True)
+    loss, _ = grpo_loss(logp, old, behav_t, torch.tensor([1.0]), torch.ones(1, 1), "dapo", 0.2, 0.28, tis_cap=2.0)
+    loss.backward()
+    close(loss.item(), loss_value)
+    close(logp.grad.item(), loss_value)
+    assert old.grad is None and behav_t.grad is None
+
+
+def test_t9_behaviour_mode_clips_the_same_token():
+    logp = torch.tensor([[-0.9]], requires_grad=True)
+    behav = torch.tensor([[-1.5]])
+    loss, _ = grpo_loss(logp, behav, behav, torch.tensor([1.0]), torch.ones(1, 1), "dapo", 0.2, 0.28)
+    loss.backward()
+    close(loss.item(), -1.28)
+    assert logp.grad.item() == 0.0
+
+
+def test_t10_kl_penalty_and_ratio_metrics():
+    logp = torch.tensor([[-1.0]])
+    out = grpo_loss(logp, logp, logp, torch.zeros(1), torch.ones(1, 1), "dapo", beta=1.0, ref_logp=torch.tensor([[-1.5]]))[0]
+    close(out.item(), 0.1065307)
+    out = grpo_loss(logp, logp, logp, torch.zeros(1), torch.ones(1, 1), "dapo", beta=1.0, ref_logp=logp)[0]
+    assert out.item() == 0.0
+    log_ratio = torch.tensor([[0.1, -0.2]])
+    _, m = grpo_loss(log_ratio, torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), "dapo")
+    close([m["ratio/mean"], m["ratio/min"], m["ratio/max"], m["kl"]], [0.9619508, 0.8187308, 1.1051709, 0.0119508])
+
+
+def test_t11_overlong_shaping():
+    close(overlong_penalty(torch.tensor([10, 16, 17, 18, 20, 21]), 20, 4), [0, 0, -0.25, -0.5, -1.0, -1.0])
+
+
+def test_t12_staleness_filter_is_strict():
+    assert [is_fresh(10, v, 4) for v in (10, 7, 6, 5)] == [True, True, True, False]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_micro_batches_with_the_global_normaliser_match_the_full_batch(loss_type):
+    torch.manual_seed(0)
+    B, T = 6, 5
+    mask = (torch.rand(B, T) < 0.7).float()
+    mask[:, 0] = 1
+    logp = (-torch.rand(B, T)).requires_grad_()
+    old, adv = logp.detach() - 0.1 * torch.rand(B, T), torch.randn(B)
+    full, _ = grpo_loss(logp, old, old, adv, mask, loss_type, max_new_tokens=T)
+    g_full, = torch.autograd.grad(full, logp)
+    kw = dict(num_seqs=B, num_tokens=mask.sum(), max_new_tokens=T)
+    parts = [grpo_loss(logp[s], old[s], old[s], adv[s], mask[s], loss_type, **kw) for s in (slice(0, 2), slice(2, 6))]
+    total = sum(p[0] for p in parts)
+    g_parts, = torch.autograd.grad(total, logp)
+    close(total.item(), full.item())
+    close(g_parts, g_full)
+    merged = combine_metrics([p[1] for p in parts])
+    _, whole = grpo_loss(logp, old, old, adv, mask, loss_type, max_new_tokens=T)
+    assert merged["tokens"] == whole["tokens"]
+    assert math.isclose(merged["ratio/mean"], whole["ratio/mean"], rel_tol=1e-6)
+    assert merged["ratio/max"] == whole["ratio/max"]
+
+
+def test_unknown_loss_type_is_named():
+    with pytest.raises(ValueError, match="loss_type"):
+        grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), "ppo")

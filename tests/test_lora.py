@@ -1,0 +1,117 @@
+"""Hand-written LoRA: the math, the trainable set, and round trips with the real peft package both ways.
+
+    python -m pytest -q tests/test_lora.py
+"""
+import json
+import os
+
+import peft
+import pytest
+import torch
+import torch.nn as nn
+from conftest import tiny_model
+
+from minigrpo.lora import (DEFAULT_TARGETS, LoRALinear, adapter_config, inject_lora, load_adapter, lora_disabled,
+                           lora_layers, lora_state_dict, save_adapter)
+
+IDS = torch.tensor([[3, 7, 1, 9, 4, 2, 8, 5]])
+
+
+def randomize_b(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g) * 0.1)
+
+
+def test_forward_matches_the_hand_computed_example():
+    base = nn.Linear(2, 2, bias=False)
+    base.weight.data = torch.eye(2)
+    layer = LoRALinear(base, r=1, alpha=2)
+    layer.lora_A.data, layer.lora_B.data = torch.tensor([[1., 2]]), torch.tensor([[0.5], [-1]])
+    x = torch.tensor([1., 1])
+    torch.testing.assert_close(layer(x), torch.tensor([4., -5]))
+    layer.merge()
+    torch.testing.assert_close(base.weight.data, torch.tensor([[2., 2], [-2, -3]]))
+    torch.testing.assert_close(layer(x), torch.tensor([4., -5]))
+    layer.unmerge()
+    torch.testing.assert_close(base.weight.data, torch.eye(2))
+
+
+def test_fresh_adapter_is_identity(arch):
+    model = tiny_model(arch)
+    before = model(IDS).logits
+    inject_lora(model, r=4, alpha=8)
+    assert torch.equal(model(IDS).logits, before)
+
+
+def test_only_lora_parameters_train_and_every_target_is_wrapped(arch):
+    model = tiny_model(arch)
+    names = inject_lora(model, r=2, alpha=4)
+    assert len(names) == 2 * len(DEFAULT_TARGETS)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A" in n or ".lora_B" in n for n in trainable)
+
+
+def test_merge_gives_the_same_logits_and_unmerge_restores_the_base(arch):
+    model = tiny_model(arch)
+    base_logits = model(IDS).logits
+    inject_lora(model, r=4, alpha=8)
+    randomize_b(model)
+    lora_logits = model(IDS).logits
+    for layer in lora_layers(model).values():
+        layer.merge()
+    torch.testing.assert_close(model(IDS).logits, lora_logits, atol=1e-5, rtol=1e-5)
+    for layer in lora_layers(model).values():
+        layer.unmerge()
+    with lora_disabled(model):
+        torch.testing.assert_close(model(IDS).logits, base_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_save_writes_peft_names_and_loads_back(tmp_path, arch):
+    model = tiny_model(arch)
+    inject_lora(model, r=4, alpha=8)
+    randomize_b(model)
+    save_adapter(tmp_path, lora_state_dict(model), adapter_config(4, 8, DEFAULT_TARGETS, "tiny"))
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
+    keys = lora_state_dict(model).keys()
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in keys
+    other = tiny_model(arch)
+    inject_lora(other, r=4, alpha=8)
+    load_adapter(other, str(tmp_path))
+    torch.testing.assert_close(other(IDS).logits, model(IDS).logits)
+
+
+def test_adapter_of_another_shape_is_refused_with_the_reason(tmp_path):
+    model = tiny_model()
+    inject_lora(model, r=4, alpha=8)
+    save_adapter(tmp_path, lora_state_dict(model), adapter_config(4, 8, DEFAULT_TARGETS, "tiny"))
+    other = tiny_model()
+    inject_lora(other, r=2, alpha=8)
+    with pytest.raises(ValueError, match="r=4"):
+        load_adapter(other, str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        load_adapter(other, str(tmp_path / "missing"))
+
+
+def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path, arch):
+    model = tiny_model(arch)
+    inject_lora(model, r=4, alpha=8)
+    randomize_b(model)
+    save_adapter(tmp_path, lora_state_dict(model), adapter_config(4, 8, DEFAULT_TARGETS, "tiny"))
+    theirs = peft.PeftModel.from_pretrained(tiny_model(arch), str(tmp_path)).eval()
+    torch.testing.assert_close(theirs(IDS).logits, model(IDS).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_peft_adapter_loads_in_ours_with_the_same_logits(tmp_path, arch):
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(DEFAULT_TARGETS), init_lora_weights=False)
+    theirs = peft.get_peft_model(tiny_model(arch), config).eval()
+    theirs.save_pretrained(str(tmp_path))
+    assert os.path.isfile(tmp_path / "adapter_model.safetensors")
+    ours = tiny_model(arch)
+    inject_lora(ours, r=4, alpha=8)
+    load_adapter(ours, str(tmp_path))
+    torch.testing.assert_close(ours(IDS).logits, theirs(IDS).logits, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(ours(IDS).logits, tiny_model(arch)(IDS).logits), "the adapter must change the output"
