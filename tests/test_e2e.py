@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -71,3 +72,56 @@ def test_run_directory_is_left_consistent(demo_run):
     assert os.path.isfile(os.path.join(adapters, latest, "adapter_model.safetensors"))
     assert len([d for d in os.listdir(adapters) if d.startswith("policy-v")]) <= 4 + 2
     assert os.listdir(os.path.join(demo_run, "rollouts", "claimed")) == []
+
+
+def latest_records(path):
+    """The records that stand: after a resume, a re-run step supersedes the record of the same step number."""
+    by_step = {}
+    for r in records(path):
+        by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def test_trainer_killed_mid_run_resumes_without_training_a_group_twice(tmp_path):
+    run_dir, env = str(tmp_path / "run"), dict(os.environ, PYTHONUNBUFFERED="1")
+    train_cmd = [sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", "30", "--save_every", "10",
+                 "--eval_every", "1000", "--groups_per_step", "4"]
+    gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "g0",
+                            "--max_ready", "8"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        first = subprocess.Popen(train_cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        log = os.path.join(run_dir, "metrics", "train.jsonl")
+        deadline = time.time() + 300
+        while not (os.path.exists(log) and any(r["step"] >= 15 for r in records(log))):
+            assert time.time() < deadline and first.poll() is None, "the first trainer did not reach step 15"
+            time.sleep(0.05)
+        first.kill()  # SIGKILL: no chance to clean up
+        first.wait()
+        before = records(log)
+        second = subprocess.run(train_cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+        assert "resumed from" in second.stdout and "step-000010" in second.stdout
+        assert gen.wait(timeout=60) == 0
+    finally:
+        gen.kill()
+    steps = [r for r in latest_records(log) if r["step"] > 0]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    ids = [g for r in steps for g in r["group_ids"]]
+    assert len(ids) == len(set(ids)) == 30 * 4, "a group was trained twice"
+    resumed = [r for r in records(log)[len(before):] if r["step"] > 0]
+    assert resumed[0]["step"] == 11
+    assert resumed[0]["version"] > max(r["version"] for r in before), "an adapter name was reused after the resume"
+
+
+def test_starting_a_finished_run_again_says_so(demo_run):
+    again = subprocess.run([sys.executable, "train.py", "--run_dir", demo_run], cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode != 0 and "finished run" in again.stderr
+    gen = subprocess.run([sys.executable, "generate.py", "--run_dir", demo_run], cwd=ROOT, capture_output=True, text=True)
+    assert gen.returncode != 0 and "finished run" in gen.stderr
+
+
+def test_help_documents_every_flag():
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    for flag in ("--run_dir", "--max_steps", "--loss_type", "--max_staleness", "--lora_r", "--temperature"):
+        assert flag in out
+    assert "optimizer steps in the whole run" in out
