@@ -11,6 +11,8 @@ Start as many generators as you like on one run directory, on any machines that 
 
     python generate.py & python train.py                                  # the demo, one CPU machine
     python generate.py --run_dir /mnt/bucket/run1 --device cuda:0         # one generator per GPU, any machine
+    python generate.py --engine http --url http://127.0.0.1:8000 --api_key KEY   # through a server or proxy.py
+    python generate.py --engine vllm --model Qwen/Qwen2.5-Math-1.5B ...          # vLLM in-process, one GPU
 
 Left out on purpose: prompt deduplication across generators (each samples its own prompts from its own seed)
 and partial groups (a group is written whole or not at all).
@@ -22,12 +24,13 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import HfArgumentParser
+from transformers import AutoTokenizer, HfArgumentParser
 
 from minigrpo.adapters import AdapterStore
-from minigrpo.engine import TorchEngine
+from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.lora import inject_lora
-from minigrpo.model import load_model, pick_device, stop_token_ids
+from minigrpo.model import load_model, pick_device, resolve_model, stop_token_ids
+from minigrpo.remote import HttpEngine, VllmEngine
 from minigrpo.rollouts import Group, RolloutBuffer
 from minigrpo.run import Metrics, RunSettings, done_path, join_run
 from minigrpo.tasks import make_task, score
@@ -36,7 +39,12 @@ from minigrpo.tasks import make_task, score
 @dataclass
 class GenerateConfig:
     run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory (folder, NFS, mounted bucket)"})
-    engine: str = field(default="torch", metadata={"help": "generation engine: torch (built in, CPU or GPU)"})
+    engine: str = field(default="torch", metadata={"help": "torch (built in, CPU or GPU) | http (a vLLM-compatible "
+                                                           "server or proxy.py) | vllm (in-process, GPU)"})
+    url: str = field(default="http://127.0.0.1:8000", metadata={"help": "--engine http: the server or proxy address"})
+    api_key: str = field(default="", metadata={"help": "--engine http: the server's API key (or env MINIGRPO_API_KEY)"})
+    max_inflight: int = field(default=64, metadata={"help": "--engine http: most requests in flight at once"})
+    max_staleness: int = field(default=4, metadata={"help": "http/vllm: unload adapter versions older than this (as train.py)"})
     generator_id: str = field(default="", metadata={"help": "names this generator's files; default host-pid"})
     prompts_per_batch: int = field(default=8, metadata={"help": "prompts sampled together; G completions each"})
     max_ready: int = field(default=32, metadata={"help": "backpressure: wait while ready/ holds this many groups"})
@@ -49,6 +57,24 @@ class GenerateConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
+    """(engine, tokenizer). Only the torch engine holds the model here; the others need just the tokenizer."""
+    if cfg.engine == "torch":
+        model, tokenizer = load_model(run.model, pick_device(cfg.device), cfg.dtype)
+        inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
+        return TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, seed), tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(run.model))
+    if cfg.engine == "http":
+        engine = HttpEngine(cfg.url, cfg.api_key or os.environ.get("MINIGRPO_API_KEY", ""), cfg.max_inflight,
+                            keep=cfg.max_staleness + 1)
+        engine.wait_ready()
+        return engine, tokenizer
+    if cfg.engine == "vllm":
+        rank = min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= run.lora_r)
+        return VllmEngine(resolve_model(run.model), rank, keep=cfg.max_staleness + 1, seed=seed), tokenizer
+    raise SystemExit(f"unknown --engine {cfg.engine!r}; choose torch, http or vllm")
+
+
 def wait_for_room(buffer: RolloutBuffer, max_ready: int, done: str, poll_s: float) -> float:
     """Backpressure: block while ready/ is full. Returns the seconds waited."""
     t0 = time.time()
@@ -76,18 +102,14 @@ def main():
     if os.path.exists(done):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({done} exists): nothing to generate. "
                          f"Delete it or pass another --run_dir to start a new run.")
-    if cfg.engine != "torch":
-        raise SystemExit(f"unknown --engine {cfg.engine!r}; available: torch")
     join_run(cfg.run_dir, run)
     torch.set_num_threads(cfg.threads)
-    device = pick_device(cfg.device)
-    model, tokenizer = load_model(run.model, device, cfg.dtype)
-    inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
-    engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
+    rng = random.Random(f"{cfg.seed}-{gen_id}")
+    engine, tokenizer = make_engine(cfg, run, seed=rng.getrandbits(63))
+    sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
     task, buffer, store = make_task(run.task), RolloutBuffer(cfg.run_dir), AdapterStore(cfg.run_dir)
     metrics = Metrics(cfg.run_dir, f"generate-{gen_id}")
-    rng = random.Random(f"{cfg.seed}-{gen_id}")
-    print(f"generator {gen_id} on {device}: {cfg.prompts_per_batch} prompts x G={run.group_size} = "
+    print(f"generator {gen_id} ({cfg.engine} engine): {cfg.prompts_per_batch} prompts x G={run.group_size} = "
           f"{cfg.prompts_per_batch * run.group_size} completions per batch\n  {asdict(run)}\n  {asdict(cfg)}", flush=True)
 
     batch = written = 0
@@ -108,8 +130,7 @@ def main():
         problems = [task.sample(rng) for _ in range(cfg.prompts_per_batch)]
         prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
         started, version = time.time(), engine.version
-        completions = engine.generate(prompts, n=run.group_size, max_new_tokens=run.max_new_tokens,
-                                      temperature=run.temperature, seed=rng.getrandbits(63))
+        completions = engine.generate(prompts, sampling)
         gen_s = time.time() - started
         rewards = score(task, tokenizer, problems, completions)
         for prompt, group, r in zip(prompts, completions, rewards):

@@ -26,7 +26,7 @@ from transformers import HfArgumentParser
 
 from minigrpo.adapters import AdapterStore
 from minigrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from minigrpo.engine import TorchEngine
+from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.grpo import advantages, combine_metrics, grpo_loss, overlong_penalty, zero_std_groups
 from minigrpo.lora import adapter_config, inject_lora, lora_disabled, lora_state_dict
 from minigrpo.model import load_model, pick_device, resolve_model, sequence_logprobs, stop_token_ids
@@ -168,7 +168,7 @@ def train_step(model, optimizer, seqs, run, cfg, pad_id, device):
 def evaluate(engine, tokenizer, task, problems, run, seed) -> float:
     """pass@1 at the run's temperature on a fixed held-out set (the same sampling seed every time)."""
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
-    completions = engine.generate(prompts, n=1, max_new_tokens=run.max_new_tokens, temperature=run.temperature, seed=seed)
+    completions = engine.generate(prompts, SamplingParams(max_tokens=run.max_new_tokens, temperature=run.temperature, seed=seed))
     return sum(r[0] for r in score(task, tokenizer, problems, completions)) / len(problems)
 
 

@@ -18,7 +18,7 @@ import random
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-from minigrpo.engine import TorchEngine
+from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.model import DEMO_MODEL
 from minigrpo.tasks import ReverseAddition, score
 
@@ -42,7 +42,7 @@ def accuracy(model, tokenizer, task, problems, seed=0) -> float:
     model.eval()
     engine = TorchEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
-    completions = engine.generate(prompts, n=1, max_new_tokens=6, temperature=1.0, seed=seed)
+    completions = engine.generate(prompts, SamplingParams(max_tokens=6, seed=seed))
     model.train()
     return sum(r[0] for r in score(task, tokenizer, problems, completions)) / len(problems)
 

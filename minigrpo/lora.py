@@ -110,6 +110,35 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]):
                 param.copy_(value)
 
 
+def check_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int):
+    """Raise ValueError unless every tensor belongs to a LoRA layer of the model with rank r <= the layer's."""
+    layers = lora_layers(model)
+    unknown = sorted(state.keys() - {f"{PEFT_PREFIX}{n}.lora_{ab}.weight" for n in layers for ab in "AB"})
+    if unknown:
+        targets = sorted({n.rsplit(".", 1)[-1] for n in layers})
+        raise ValueError(f"expected target modules in {targets} but received {unknown[:3]}")
+    for name, layer in layers.items():
+        A, B = (state.get(f"{PEFT_PREFIX}{name}.lora_{ab}.weight") for ab in "AB")
+        if A is not None and (r > layer.r or A.shape != (r, layer.base.in_features) or B is None
+                              or B.shape != (layer.base.out_features, r)):
+            raise ValueError(f"{name}: lora_A {tuple(A.shape)} and lora_B {None if B is None else tuple(B.shape)} "
+                             f"do not fit rank {r} of a {layer.base.in_features}->{layer.base.out_features} layer")
+
+
+def apply_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int, alpha: float):
+    """Serve an adapter of rank r <= the layers' rank: zero-padded into A and B and scaled by its own alpha / r.
+    Layers the adapter does not cover are switched off; a tensor for a module the model lacks is an error."""
+    check_adapter(model, state, r)
+    with torch.no_grad():
+        for name, layer in lora_layers(model).items():
+            A, B = (state.get(f"{PEFT_PREFIX}{name}.lora_{ab}.weight") for ab in "AB")
+            layer.lora_A.zero_()
+            layer.lora_B.zero_()
+            if A is not None:
+                layer.lora_A[:r], layer.lora_B[:, :r] = A, B
+            layer.scaling = alpha / r
+
+
 def adapter_config(r: int, alpha: float, targets, base_model: str) -> dict:
     """The adapter_config.json PEFT writes for a plain LoRA (vLLM reads r, lora_alpha, target_modules)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,

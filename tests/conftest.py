@@ -20,3 +20,74 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, vocab: int = 32):
 @pytest.fixture(params=list(ARCHS))
 def arch(request):
     return request.param
+
+
+# ---- real processes on loopback: servers, proxies ----
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call(method, url, body=None, key=None, content_type="application/json", raw=None):
+    """(status, text, parsed JSON or None) of one HTTP request, whatever the status."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", content_type)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, text, headers = r.status, r.read().decode(), r.headers
+    except urllib.error.HTTPError as e:
+        status, text, headers = e.code, e.read().decode(), e.headers
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    call.headers = headers
+    return status, text, parsed
+
+
+def start(args, port, wait=True):
+    """Start `python args...` from the repo root and wait until http://127.0.0.1:port/health answers."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.time() + 120
+    while wait:
+        assert proc.poll() is None, f"{args} exited with {proc.returncode}"
+        try:
+            if call("GET", f"http://127.0.0.1:{port}/health")[0] == 200:
+                break
+        except OSError:
+            pass
+        assert time.time() < deadline, f"{args} did not become healthy"
+        time.sleep(0.2)
+    return proc
+
+
+def save_random_adapter(path, r=2, alpha=4.0, seed=0, targets=None):
+    """A PEFT adapter for the demo model with non-zero B, so it visibly changes the output."""
+    from minigrpo.lora import DEFAULT_TARGETS, adapter_config, inject_lora, lora_layers, lora_state_dict, save_adapter
+    from minigrpo.model import load_model
+    model, _ = load_model("demo", torch.device("cpu"))
+    inject_lora(model, r, alpha, targets or DEFAULT_TARGETS)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g) * 0.3)
+    save_adapter(str(path), lora_state_dict(model), adapter_config(r, alpha, targets or DEFAULT_TARGETS, "demo"))
+    return model

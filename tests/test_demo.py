@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minigrpo.demo import CHARS, build_tokenizer
-from minigrpo.engine import TorchEngine
+from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.model import DEMO_MODEL, load_model, stop_token_ids
 from minigrpo.tasks import ReverseAddition, make_task, score
 
@@ -43,6 +43,6 @@ def test_base_model_is_right_only_part_of_the_time():
     task = make_task("reverse_add")
     problems = task.eval_problems(400)
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
-    completions = engine.generate([tokenizer(p.prompt)["input_ids"] for p in problems], n=1, max_new_tokens=8, seed=0)
+    completions = engine.generate([tokenizer(p.prompt)["input_ids"] for p in problems], SamplingParams(max_tokens=8, seed=0))
     accuracy = sum(r[0] for r in score(task, tokenizer, problems, completions)) / len(problems)
     assert 0.2 <= accuracy <= 0.5

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from conftest import tiny_model
 
-from minigrpo.engine import TorchEngine
+from minigrpo.engine import SamplingParams as SP, TorchEngine
 from minigrpo.lora import inject_lora, lora_layers
 from minigrpo.model import sequence_logprobs
 
@@ -27,7 +27,7 @@ def test_behaviour_logprobs_match_the_trainers_full_forward(arch):
         for layer in lora_layers(model).values():
             layer.lora_B.normal_(std=0.2)
     temperature = 0.7
-    groups = engine_for(model).generate(PROMPTS, n=3, max_new_tokens=6, temperature=temperature, seed=0)
+    groups = engine_for(model).generate(PROMPTS, SP(n=3, max_tokens=6, temperature=temperature, seed=0))
     for prompt, group in zip(PROMPTS, groups):
         for c in group:
             ids = torch.tensor([prompt + c.token_ids])
@@ -38,15 +38,15 @@ def test_behaviour_logprobs_match_the_trainers_full_forward(arch):
 def test_stops_at_a_stop_token_and_reports_length_otherwise():
     model = tiny_model()
     every_token = list(range(32))
-    stopped = engine_for(model).generate(PROMPTS, n=2, max_new_tokens=5, seed=0, stop_token_ids=every_token)
+    stopped = engine_for(model).generate(PROMPTS, SP(n=2, max_tokens=5, seed=0, stop_token_ids=every_token))
     assert all(len(c.token_ids) == 1 and c.finish_reason == "stop" for g in stopped for c in g)
-    free = TorchEngine(model, stop_ids=[], pad_id=0).generate(PROMPTS, n=2, max_new_tokens=5, seed=0)
+    free = TorchEngine(model, stop_ids=[], pad_id=0).generate(PROMPTS, SP(n=2, max_tokens=5, seed=0))
     assert all(len(c.token_ids) == 5 and c.finish_reason == "length" for g in free for c in g)
 
 
 def test_rows_that_stopped_keep_their_own_length():
     model = tiny_model()
-    groups = engine_for(model).generate(PROMPTS, n=8, max_new_tokens=12, seed=3)
+    groups = engine_for(model).generate(PROMPTS, SP(n=8, max_tokens=12, seed=3))
     for c in (c for g in groups for c in g):
         assert len(c.token_ids) == len(c.logprobs)
         assert (1 in c.token_ids) == (c.finish_reason == "stop")
@@ -56,16 +56,16 @@ def test_rows_that_stopped_keep_their_own_length():
 
 def test_same_seed_same_samples_other_seed_other_samples():
     engine = engine_for(tiny_model())
-    a = engine.generate(PROMPTS, n=4, max_new_tokens=8, seed=11)
-    assert a == engine.generate(PROMPTS, n=4, max_new_tokens=8, seed=11)
-    assert a != engine.generate(PROMPTS, n=4, max_new_tokens=8, seed=12)
+    a = engine.generate(PROMPTS, SP(n=4, max_tokens=8, seed=11))
+    assert a == engine.generate(PROMPTS, SP(n=4, max_tokens=8, seed=11))
+    assert a != engine.generate(PROMPTS, SP(n=4, max_tokens=8, seed=12))
 
 
 def test_left_padding_does_not_change_greedy_output():
     engine = engine_for(tiny_model())
-    batched = engine.generate(PROMPTS, n=1, max_new_tokens=6, temperature=0)
+    batched = engine.generate(PROMPTS, SP(n=1, max_tokens=6, temperature=0))
     for prompt, group in zip(PROMPTS, batched):
-        assert engine.generate([prompt], n=1, max_new_tokens=6, temperature=0)[0] == group
+        assert engine.generate([prompt], SP(n=1, max_tokens=6, temperature=0))[0] == group
 
 
 class PastKeyValuesOnly(nn.Module):
@@ -85,7 +85,7 @@ def test_engine_works_with_either_cache_keyword():
     model = tiny_model()
     new, old = engine_for(model), engine_for(PastKeyValuesOnly(model))
     assert (new.cache_kw, old.cache_kw) == ("cache", "past_key_values")
-    assert new.generate(PROMPTS, n=2, max_new_tokens=6, seed=5) == old.generate(PROMPTS, n=2, max_new_tokens=6, seed=5)
+    assert new.generate(PROMPTS, SP(n=2, max_tokens=6, seed=5)) == old.generate(PROMPTS, SP(n=2, max_tokens=6, seed=5))
 
 
 def test_entropy_of_a_uniform_distribution_is_log_vocab():
@@ -94,3 +94,34 @@ def test_entropy_of_a_uniform_distribution_is_log_vocab():
     logp, entropy = sequence_logprobs(uniform, ids, torch.ones_like(ids), temperature=1.0)
     torch.testing.assert_close(entropy, torch.full((1, 3), math.log(4)))
     torch.testing.assert_close(logp, torch.full((1, 3), -math.log(4)))
+
+
+def test_a_seeded_request_samples_the_same_alone_or_batched():
+    engine = engine_for(tiny_model())
+    alone = engine.generate([PROMPTS[1]], SP(n=3, max_tokens=6, seed=42))[0]
+    batched = engine.generate(PROMPTS, [SP(n=2, max_tokens=4), SP(n=3, max_tokens=6, seed=42), SP(temperature=0.5)])
+    assert [c.token_ids for c in batched[1]] == [c.token_ids for c in alone]
+    for a, b in zip(batched[1], alone):  # padding in the batch may move the last float bits, nothing more
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_each_request_keeps_its_own_limits_and_stops():
+    model = tiny_model()
+    engine = TorchEngine(model, stop_ids=[], pad_id=0)
+    out = engine.generate(PROMPTS, [SP(n=2, max_tokens=3), SP(max_tokens=7), SP(max_tokens=1, stop_token_ids=tuple(range(32)))])
+    assert [len(c.token_ids) for c in out[0]] == [3, 3] and out[0][0].finish_reason == "length"
+    assert len(out[1][0].token_ids) == 7
+    assert out[2][0].finish_reason == "stop"
+
+
+def test_tiny_top_p_is_greedy_and_top_logprobs_are_sorted():
+    engine = engine_for(tiny_model())
+    greedy = engine.generate(PROMPTS, SP(max_tokens=5, temperature=0))
+    nucleus = engine.generate(PROMPTS, SP(max_tokens=5, top_p=1e-6, seed=1, logprobs=3))
+    for g, c in zip(greedy, nucleus):
+        assert c[0].token_ids == g[0].token_ids and all(lp == 0.0 for lp in c[0].logprobs)
+    full = engine.generate(PROMPTS, SP(max_tokens=5, seed=1, logprobs=3))[0][0]
+    for tok, lp, top in zip(full.token_ids, full.logprobs, full.top_logprobs):
+        values = list(top.values())
+        assert len(top) == 3 and values == sorted(values, reverse=True)
+        assert tok not in top or math.isclose(top[tok], lp, abs_tol=1e-6)

@@ -1,0 +1,138 @@
+"""Engines that sample somewhere else, with the same interface as TorchEngine (load_adapter, generate):
+
+  HttpEngine   any vLLM-compatible server: `vllm serve`, `python -m minigrpo.serve`, or proxy.py in front of
+               several. A new version is registered with POST /v1/load_lora_adapter (absolute path, a name that
+               is never reused) and requested as model = policy-vNNNNNN; names that left the staleness window are
+               unloaded. Transient failures are retried with bounded backoff; a replica that restarted and forgot
+               the adapter gets it again.
+  VllmEngine   vLLM in-process (GPU only): a LoRARequest per version, processed (temperature-applied) log-probs.
+"""
+import asyncio
+import os
+
+import aiohttp
+
+from minigrpo.adapters import adapter_name
+from minigrpo.engine import Completion, SamplingParams
+
+RETRY_STATUS = (500, 502, 503, 504)
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class HttpEngine:
+    def __init__(self, url: str, api_key: str = "", max_inflight: int = 64, keep: int = 5, retries: int = 6,
+                 timeout_s: float = 600.0):
+        self.url, self.keep, self.retries = url.rstrip("/"), keep, retries
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
+        self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
+        self.inflight = asyncio.Semaphore(max_inflight)
+        self.session, self.version, self.path, self.loaded = None, None, None, []
+
+    async def _call(self, method: str, path: str, body=None) -> tuple[int, str, dict | None]:
+        """(status, text, json or None), retrying transport errors and 5xx with backoff 0.5, 1, 2, ... 8 s."""
+        if self.session is None:
+            self.session = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers)
+        last = None
+        for attempt in range(self.retries):
+            try:
+                async with self.session.request(method, self.url + path, json=body) as resp:
+                    text = await resp.text()
+                    if resp.status not in RETRY_STATUS:
+                        is_json = resp.content_type == "application/json"
+                        return resp.status, text, await resp.json() if is_json else None
+                    last = f"{resp.status} {text[:300]}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                last = f"{type(e).__name__}: {e}"
+            await asyncio.sleep(min(0.5 * 2 ** attempt, 8.0))
+        raise ServerError(f"{method} {self.url}{path} failed {self.retries} times; last: {last}")
+
+    def wait_ready(self, timeout_s: float = 300.0):
+        """Block until GET /health answers 200, or fail naming the address."""
+        async def poll():
+            for _ in range(int(timeout_s / 0.5)):
+                try:
+                    if (await self._call("GET", "/health"))[0] == 200:
+                        return
+                except ServerError:
+                    pass
+                await asyncio.sleep(0.5)
+            raise ServerError(f"no healthy server at {self.url} after {timeout_s:.0f}s (is it running? right --url?)")
+        self.loop.run_until_complete(poll())
+
+    async def _load(self, version: int, path: str):
+        status, text, _ = await self._call("POST", "/v1/load_lora_adapter",
+                                           {"lora_name": adapter_name(version), "lora_path": os.path.abspath(path)})
+        if status != 200 and not (status == 400 and "already been loaded" in text):  # another generator was first
+            raise ServerError(f"{self.url} refused to load {adapter_name(version)} from {path}: {status} {text[:300]}")
+
+    def load_adapter(self, version: int, path: str):
+        async def load():
+            await self._load(version, path)
+            self.loaded.append(version)
+            for old in [v for v in self.loaded if v <= version - self.keep]:  # left the staleness window
+                await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": adapter_name(old)})  # 404: fine
+                self.loaded.remove(old)
+        self.loop.run_until_complete(load())
+        self.version, self.path = version, path
+
+    async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
+        body = {"model": adapter_name(self.version), "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens,
+                "temperature": sp.temperature, "top_p": sp.top_p, "top_k": 0, "logprobs": 0,
+                "stop_token_ids": list(sp.stop_token_ids), "return_token_ids": True}
+        if sp.seed is not None:  # without one, the server samples from its own generator
+            body["seed"] = sp.seed
+        async with self.inflight:
+            for _ in range(2):
+                status, text, data = await self._call("POST", "/v1/completions", body)
+                if status == 404 and "does not exist" in text:  # a replica restarted and forgot the adapter
+                    await self._load(self.version, self.path)
+                    continue
+                break
+        if status != 200 or data is None:
+            raise ServerError(f"{self.url}/v1/completions answered {status}: {text[:300]}")
+        choices = sorted(data["choices"], key=lambda c: c["index"])
+        return [Completion(c["token_ids"], c["logprobs"]["token_logprobs"],
+                           "stop" if c["finish_reason"] == "stop" else "length") for c in choices]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        async def run():
+            return await asyncio.gather(*(self._complete(p, params) for p in prompts))
+        return list(self.loop.run_until_complete(run()))
+
+    def close(self):
+        if self.session is not None:
+            self.loop.run_until_complete(self.session.close())
+
+
+class VllmEngine:
+    """vLLM's offline API as shared/spec/vllm_protocol.md section 6 records it. Needs `pip install vllm` and a GPU."""
+
+    def __init__(self, model: str, max_lora_rank: int, keep: int = 5, dtype: str = "auto", seed: int = 0,
+                 gpu_memory_utilization: float = 0.85):
+        from vllm import LLM  # optional dependency: only this engine needs it
+        self.keep, self.requests, self.version = keep, {}, None
+        self.llm = LLM(model=model, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=keep + 1,
+                       max_cpu_loras=keep + 1, logprobs_mode="processed_logprobs", dtype=dtype, seed=seed,
+                       gpu_memory_utilization=gpu_memory_utilization)
+
+    def load_adapter(self, version: int, path: str):
+        from vllm.lora.request import LoRARequest
+        request = LoRARequest(adapter_name(version), version + 1, os.path.abspath(path))  # int ids start at 1
+        self.llm.llm_engine.add_lora(request)
+        self.requests[version], self.version = request, version
+        for old in [v for v in self.requests if v <= version - self.keep]:
+            self.llm.llm_engine.remove_lora(self.requests.pop(old).lora_int_id)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        import vllm
+        sp = vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=0,
+                                 max_tokens=params.max_tokens, logprobs=0, seed=params.seed,
+                                 stop_token_ids=list(params.stop_token_ids))
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                    lora_request=self.requests[self.version], use_tqdm=False)
+        return [[Completion(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)],
+                            "stop" if o.finish_reason == "stop" else "length") for o in out.outputs] for out in outputs]

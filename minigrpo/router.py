@@ -1,0 +1,82 @@
+"""KV-prefix affinity routing: send a prompt to the replica that most likely holds its prefix in the KV cache.
+
+GRPO sends each prompt G times. The first request of a prompt goes wherever there is room; the other G - 1 should
+follow it, because that replica has the prompt's KV blocks cached. The router mirrors the structure of vLLM's
+prefix cache without its exact hashes:
+  - the prompt is cut into full 16-token blocks, hashed as a chain seeded with the requested model (adapter)
+    name, so one prefix under two adapters is two prefixes, as it is in vLLM;
+  - a replica owns a block once a request with it was sent there (bounded LRU table);
+  - the shared prefix every prompt starts with (the chat template) says nothing about where a prompt lives. It is
+    found from the data: a block every replica owns, or a block followed by two or more different blocks;
+  - affinity goes to the replica with the longest specific prefix while it is at most `imbalance` requests ahead
+    of the least loaded one; otherwise the request spills to the least loaded (round-robin on ties).
+"""
+import collections
+import hashlib
+import json
+
+
+class PrefixRouter:
+    def __init__(self, n: int, block_size: int = 16, imbalance: int = 8, max_blocks: int = 500_000):
+        self.n, self.block_size, self.imbalance, self.max_blocks = n, block_size, imbalance, max_blocks
+        self.table = collections.OrderedDict()  # block hash -> (owners: set[int], successors: set[bytes]), LRU
+        self.counters = {"routed": 0, "affinity": 0, "spilled": 0, "unmatched": 0}
+        self.next_rr = 0
+
+    def blocks(self, model: str, prompt) -> list[bytes]:
+        """Chained hashes of the full blocks of a prompt: token ids, or text (4 bytes a token, roughly)."""
+        if isinstance(prompt, str):
+            data = prompt.encode()
+            size = 4 * self.block_size
+            pieces = [data[i:i + size] for i in range(0, len(data) - size + 1, size)]
+        else:
+            pieces = [json.dumps(prompt[i:i + self.block_size]).encode()
+                      for i in range(0, len(prompt) - self.block_size + 1, self.block_size)]
+        h, out = hashlib.blake2b(model.encode(), digest_size=16).digest(), []
+        for piece in pieces:
+            h = hashlib.blake2b(h + piece, digest_size=16).digest()
+            out.append(h)
+        return out
+
+    def choose(self, model: str, prompt, inflight: list[int]) -> tuple[int, str]:
+        """(replica index, "affinity" | "spilled" | "unmatched"), and remember where the prompt went."""
+        hashes = self.blocks(model, prompt)
+        matched, owners_so_far, common = [0] * self.n, set(range(self.n)), 0
+        for depth, h in enumerate(hashes):
+            entry = self.table.get(h)
+            if entry is None:
+                break
+            owners, successors = entry
+            if len(owners) == self.n or len(successors) >= 2:
+                common = depth + 1  # the shared template so far
+            owners_so_far &= owners
+            if not owners_so_far:
+                break
+            for i in owners_so_far:
+                matched[i] = depth + 1
+        specific = [max(0, m - common) for m in matched]
+        best = max(range(self.n), key=lambda i: (specific[i], -inflight[i]))
+        least = min(inflight)
+        if specific[best] > 0 and inflight[best] - least <= self.imbalance:
+            pick, kind = best, "affinity"
+        else:
+            ties = [i for i in range(self.n) if inflight[i] == least]
+            pick, kind = ties[self.next_rr % len(ties)], "spilled" if specific[best] > 0 else "unmatched"
+            self.next_rr += 1
+        self._remember(hashes, pick)
+        self.counters["routed"] += 1
+        self.counters[kind] += 1
+        return pick, kind
+
+    def _remember(self, hashes: list[bytes], pick: int):
+        for prev, h in zip([None] + hashes, hashes):
+            entry = self.table.setdefault(h, (set(), set()))
+            entry[0].add(pick)
+            self.table.move_to_end(h)
+            if prev is not None and prev in self.table and len(self.table[prev][1]) < 2:
+                self.table[prev][1].add(h)  # two successors are enough to call a block shared
+        while len(self.table) > self.max_blocks:
+            self.table.popitem(last=False)
+
+    def stats(self) -> dict:
+        return self.counters | {"tracked_blocks": len(self.table)}

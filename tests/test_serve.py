@@ -1,0 +1,172 @@
+"""The vLLM-compatible server as a real process: every shape, status and message of shared/spec/vllm_protocol.md
+that it implements.
+
+    python -m pytest -q tests/test_serve.py
+"""
+import threading
+import time
+
+import pytest
+import torch
+from conftest import call, free_port, save_random_adapter, start
+
+from minigrpo.engine import SamplingParams, TorchEngine
+from minigrpo.lora import load_adapter
+from minigrpo.model import stop_token_ids
+
+KEY = "test-key"
+PROMPT = [2, 3, 11, 4, 5, 12]  # "12+34=" in the demo tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    proc = start(["-m", "minigrpo.serve", "--port", str(port), "--api_key", KEY, "--max_lora_rank", "16", "--seed", "0"], port)
+    yield f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("adapters")
+    proc.kill()
+
+
+def post(server, path, body, **kw):
+    return call("POST", server[0] + path, body, key=KEY, **kw)
+
+
+def test_completion_has_vllms_shape(server):
+    status, _, out = post(server, "/v1/completions", {"prompt": PROMPT, "n": 3, "max_tokens": 5, "logprobs": 0,
+                                                      "return_token_ids": True, "return_tokens_as_token_ids": True})
+    assert status == 200 and out["object"] == "text_completion" and out["id"].startswith("cmpl-")
+    assert out["model"] == "demo" and [c["index"] for c in out["choices"]] == [0, 1, 2]
+    for key in ("service_tier", "system_fingerprint", "kv_transfer_params", "ec_transfer_params", "metrics"):
+        assert key in out and out[key] is None
+    for c in out["choices"]:
+        lp = c["logprobs"]
+        assert c["prompt_token_ids"] == PROMPT and c["finish_reason"] in ("stop", "length")
+        assert lp["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+        assert len(lp["token_logprobs"]) == len(c["token_ids"]) and all(x <= 0 for x in lp["token_logprobs"])
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+        assert all(len(top) == 1 for top in lp["top_logprobs"])
+        if c["finish_reason"] == "stop":
+            assert c["token_ids"][-1] == 0 and c["stop_reason"] is None  # EOS: last id, no stop_reason
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == 3 * len(PROMPT)
+    assert usage["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_batched_prompts_are_prompt_major_and_stop_token_ids_set_stop_reason(server):
+    stops = list(range(1, 13))  # every digit and sign: each completion stops at its first token
+    status, _, out = post(server, "/v1/completions", {"prompt": [PROMPT, PROMPT[:3]], "n": 2, "max_tokens": 4,
+                                                      "stop_token_ids": stops, "return_token_ids": True})
+    assert status == 200 and len(out["choices"]) == 4
+    assert [c["prompt_token_ids"] for c in out["choices"]] == [PROMPT, PROMPT, PROMPT[:3], PROMPT[:3]]
+    for c in out["choices"]:
+        if c["token_ids"][-1] != 0:
+            assert c["finish_reason"] == "stop" and c["stop_reason"] == c["token_ids"][-1] and c["text"] == ""
+
+
+def test_seeded_requests_repeat_and_max_tokens_defaults_to_16(server):
+    body = {"prompt": PROMPT, "max_tokens": None, "seed": 7, "return_token_ids": True, "ignore_this_field": 1}
+    a, b = post(server, "/v1/completions", body)[2], post(server, "/v1/completions", body)[2]
+    assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+    assert len(a["choices"][0]["token_ids"]) <= 16
+
+
+def test_unknown_model_is_404_with_the_valid_aliases(server):
+    status, _, out = post(server, "/v1/completions", {"prompt": PROMPT, "model": "nope"})
+    assert status == 404 and out["error"] == {"message": "The model `nope` does not exist. Valid aliases: demo.",
+                                              "type": "NotFoundError", "param": None, "code": 404}
+
+
+@pytest.mark.parametrize("body, match", [({"prompt": []}, "non-empty"), ({"prompt": [1, -2]}, "out of vocabulary"),
+                                         ({"prompt": [1, 999]}, "out of vocabulary"), ({"prompt": PROMPT, "n": 10**6}, "n must"),
+                                         ({"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+                                         ({"prompt": PROMPT, "logprobs": -3}, "logprobs"),
+                                         ({"prompt": [1] * 100}, "maximum context length")])
+def test_bad_completion_requests_get_400_and_a_reason(server, body, match):
+    status, _, out = post(server, "/v1/completions", body)
+    assert status == 400 and match in out["error"]["message"] and out["error"]["code"] == 400
+
+
+def test_malformed_json_and_unknown_routes(server):
+    assert post(server, "/v1/completions", None, raw=b"{not json")[0] == 400
+    assert call("GET", server[0] + "/v1/nothing", key=KEY)[:1] == (404,)
+
+
+def test_key_is_required_except_on_health(server):
+    assert call("GET", server[0] + "/v1/models")[0] == 401
+    assert call("GET", server[0] + "/v1/models", key="wrong")[0] == 401
+    assert call("GET", server[0] + "/health")[:2] == (200, "")
+
+
+def test_lora_load_errors_follow_vllm(server, tmp_path):
+    url = "/v1/load_lora_adapter"
+    assert post(server, url, {"lora_name": "", "lora_path": "/x"})[2]["error"]["message"] == \
+        "Both 'lora_name' and 'lora_path' must be provided."
+    status, _, out = post(server, url, {"lora_name": "a", "lora_path": str(tmp_path / "missing")})
+    assert status == 404 and out["error"]["message"].startswith("Loading lora a failed: No adapter found for")
+    save_random_adapter(tmp_path / "big", r=32, alpha=32)
+    status, _, out = post(server, url, {"lora_name": "big", "lora_path": str(tmp_path / "big")})
+    assert status == 500 and out["error"]["message"] == \
+        "Call to add_lora method failed: LoRA rank 32 is greater than max_lora_rank 16."
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "adapter_config.json").write_text('{"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}')
+    status, _, out = post(server, url, {"lora_name": "empty", "lora_path": str(tmp_path / "empty")})
+    assert status == 500 and "doesn't contain tensors" in out["error"]["message"]
+    assert post(server, url, {"lora_name": "demo", "lora_path": str(tmp_path)})[2]["error"]["message"] == \
+        "The lora adapter 'demo' conflicts with a served base model."
+    assert post(server, url, {"lora_name": "rel", "lora_path": "relative/dir"})[0] == 400
+    assert post(server, url, None, raw=b"lora_name=x", content_type="text/plain")[0] == 400
+
+
+def test_loaded_adapter_serves_exactly_its_weights(server):
+    path = server[1] / "a1"
+    local = save_random_adapter(path, r=2, alpha=4, seed=3)
+    status, text, _ = post(server, "/v1/load_lora_adapter", {"lora_name": "a1", "lora_path": str(path)})
+    assert status == 200 and text == "Success: LoRA adapter 'a1' added successfully."
+    status, _, out = post(server, "/v1/load_lora_adapter", {"lora_name": "a1", "lora_path": str(path)})
+    assert status == 400 and out["error"]["message"] == ("The lora adapter 'a1' has already been loaded. If you want "
+                                                          "to load the adapter in place, set 'load_inplace' to True.")
+    body = {"prompt": PROMPT, "model": "a1", "n": 4, "max_tokens": 4, "seed": 11, "logprobs": 0, "return_token_ids": True}
+    status, _, out = post(server, "/v1/completions", body)
+    assert status == 200 and out["model"] == "a1"
+    engine = TorchEngine(local, [0], 0)
+    mine = engine.generate([PROMPT], SamplingParams(n=4, max_tokens=4, seed=11))[0]
+    assert [c["token_ids"] for c in out["choices"]] == [c.token_ids for c in mine]
+    for c, m in zip(out["choices"], mine):
+        torch.testing.assert_close(torch.tensor(c["logprobs"]["token_logprobs"]), torch.tensor(m.logprobs), atol=1e-4, rtol=0)
+    models = call("GET", server[0] + "/v1/models", key=KEY)[2]["data"]
+    assert models[0]["id"] == "demo" and models[0]["max_model_len"] == 64
+    card = next(m for m in models if m["id"] == "a1")
+    assert card["root"] == str(path) and card["parent"] == "demo" and card["max_model_len"] is None
+
+
+def test_unload_follows_vllm(server):
+    save_random_adapter(server[1] / "u1")
+    post(server, "/v1/load_lora_adapter", {"lora_name": "u1", "lora_path": str(server[1] / "u1")})
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "u1"})[:2] == \
+        (200, "Success: LoRA adapter 'u1' removed successfully.")
+    status, _, out = post(server, "/v1/unload_lora_adapter", {"lora_name": "u1"})
+    assert status == 404 and out["error"]["message"] == "The lora adapter 'u1' cannot be found."
+    assert post(server, "/v1/unload_lora_adapter", {})[2]["error"]["message"] == \
+        "'lora_name' needs to be provided to unload a LoRA adapter."
+    assert post(server, "/v1/completions", {"prompt": PROMPT, "model": "u1"})[0] == 404
+
+
+def test_pause_modes_and_server_info(server):
+    assert post(server, "/pause?mode=sideways", None)[0] == 400
+    assert post(server, "/pause?mode=abort", None)[2] == {"status": "paused"}
+    assert call("GET", server[0] + "/is_paused", key=KEY)[2] == {"is_paused": True}
+    status, _, out = post(server, "/v1/completions", {"prompt": PROMPT})
+    assert status == 503 and out["error"]["message"] == "Generation is paused. Please retry after it resumes."
+    assert post(server, "/pause?mode=keep", None)[0] == 200
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(r=post(server, "/v1/completions", {"prompt": PROMPT})))
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive(), "with mode=keep a new request waits for /resume"
+    assert post(server, "/resume", None)[2] == {"status": "resumed"}
+    waiter.join(30)
+    assert result["r"][0] == 200
+    info = call("GET", server[0] + "/server_info?config_format=json", key=KEY)[2]["vllm_config"]
+    assert info["lora_config"]["max_lora_rank"] == 16 and info["parallel_config"]["data_parallel_size"] == 1
+    assert isinstance(call("GET", server[0] + "/server_info", key=KEY)[2]["vllm_config"], str)
+    assert post(server, "/reset_prefix_cache", None)[2] == {"success": True}
