@@ -63,10 +63,22 @@ class PrefixRouter:
             ties = [i for i in range(self.n) if inflight[i] == least]
             pick, kind = ties[self.next_rr % len(ties)], "spilled" if specific[best] > 0 else "unmatched"
             self.next_rr += 1
+            if hashes and matched[pick] == len(hashes) and len(hashes) > self.template_blocks(hashes):
+                kind = "affinity"  # every replica holds this whole prompt (it spilled before): a hit wherever it goes
         self._remember(hashes, pick)
         self.counters["routed"] += 1
         self.counters[kind] += 1
         return pick, kind
+
+    def template_blocks(self, hashes: list[bytes]) -> int:
+        """Leading blocks up to the last fan-out point: the part of a prompt that every prompt shares."""
+        last = 0
+        for depth, h in enumerate(hashes):
+            if h not in self.table:
+                break
+            if len(self.table[h][1]) >= 2:
+                last = depth + 1
+        return last
 
     def _remember(self, hashes: list[bytes], pick: int):
         for prev, h in zip([None] + hashes, hashes):

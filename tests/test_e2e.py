@@ -125,3 +125,34 @@ def test_help_documents_every_flag():
     for flag in ("--run_dir", "--max_steps", "--loss_type", "--max_staleness", "--lora_r", "--temperature"):
         assert flag in out
     assert "optimizer steps in the whole run" in out
+
+
+def test_trainer_two_replicas_proxy_and_http_generator_learn_together(tmp_path):
+    from conftest import call, free_port, start
+    run_dir, ports = str(tmp_path / "run"), [free_port() for _ in range(3)]
+    replicas = [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    procs = [start(["-m", "minigrpo.serve", "--port", str(p), "--lora_root", str(tmp_path)], p, wait=False) for p in ports[:2]]
+    procs.append(start(["proxy.py", "--upstream", replicas[0], "--upstream", replicas[1], "--port", str(ports[2]),
+                        "--api_key", "k"], ports[2]))
+    proxy = f"http://127.0.0.1:{ports[2]}"
+    try:
+        gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "h0", "--engine",
+                                "http", "--url", proxy, "--api_key", "k"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT)
+        procs.append(gen)
+        train = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", "120", "--eval_every",
+                                "60", "--save_every", "60"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
+        assert gen.wait(timeout=60) == 0
+        evals = [r for r in records(os.path.join(run_dir, "metrics", "train.jsonl")) if "eval/accuracy" in r]
+        assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.08, evals
+        used = [r["policy_version"] for r in records(os.path.join(run_dir, "metrics", "generate-h0.jsonl"))]
+        assert len(set(used)) >= 3
+        # a version is requested only after the proxy loaded it on every replica; both end with the same names
+        names = [{m["id"] for m in call("GET", r + "/v1/models")[2]["data"][1:]} for r in replicas]
+        assert names[0] == names[1] and f"policy-v{used[-1]:06d}" in names[0]
+        stats = call("GET", proxy + "/proxy/stats", key="k")[2]
+        assert all(u["routed"] > 0 for u in stats["upstreams"]) and stats["router"]["routed"] >= len(used) * 8
+    finally:
+        for p in procs:
+            p.kill()

@@ -1,0 +1,145 @@
+"""The proxy in front of two real minigrpo servers, and the http engine through it, all on loopback.
+
+    python -m pytest -q tests/test_proxy.py
+"""
+import os
+import threading
+import time
+
+import pytest
+from conftest import call, free_port, save_random_adapter, start
+
+from minigrpo.adapters import adapter_name
+from minigrpo.engine import SamplingParams
+from minigrpo.remote import HttpEngine, ServerError
+
+CLIENT, UPSTREAM = "client-key", "replica-token"
+PROMPT = [2, 3, 11, 4, 5, 12]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Replica A (max_lora_rank 16), replica B (max_lora_rank 8), a proxy over both, a proxy over A and a dead port."""
+    ports = [free_port() for _ in range(4)]
+    procs = [start(["-m", "minigrpo.serve", "--port", str(ports[i]), "--api_key", UPSTREAM, "--max_lora_rank", rank], ports[i], wait=False)
+             for i, rank in ((0, "16"), (1, "8"))]
+    replicas = [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    dead = f"http://127.0.0.1:{free_port()}"
+    common = ["--upstream_token", UPSTREAM, "--retry_s", "0.2", "--load_timeout_s", "15"]
+    procs.append(start(["proxy.py", "--upstream", replicas[0], "--upstream", replicas[1], "--port", str(ports[2]),
+                        "--api_key", CLIENT, *common], ports[2], wait=False))
+    procs.append(start(["proxy.py", "--upstream", replicas[0], dead, "--port", str(ports[3]), "--no_auth", *common], ports[3], wait=False))
+    deadline = time.time() + 120
+    while call_ok(f"http://127.0.0.1:{ports[2]}/health") != 200 or call_ok(f"http://127.0.0.1:{ports[3]}/v1/models") != 200:
+        assert time.time() < deadline and all(p.poll() is None for p in procs), "the fleet did not come up"
+        time.sleep(0.3)
+    yield {"proxy": f"http://127.0.0.1:{ports[2]}", "half": f"http://127.0.0.1:{ports[3]}", "replicas": replicas,
+           "dead": dead, "dir": tmp_path_factory.mktemp("adapters")}
+    for p in procs:
+        p.kill()
+
+
+def call_ok(url):
+    try:
+        return call("GET", url)[0]
+    except OSError:
+        return None
+
+
+def listed(fleet):
+    """Adapter names each replica lists, asked directly."""
+    return [{m["id"] for m in call("GET", r + "/v1/models", key=UPSTREAM)[2]["data"][1:]} for r in fleet["replicas"]]
+
+
+def load(fleet, name, path):
+    return call("POST", fleet["proxy"] + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, key=CLIENT)
+
+
+def test_clients_need_the_proxy_key_and_replicas_never_see_it(fleet):
+    assert call("GET", fleet["proxy"] + "/v1/models")[0] == 401
+    assert call("GET", fleet["proxy"] + "/v1/models", key="wrong")[0] == 401
+    assert call("GET", fleet["proxy"] + "/health")[0] == 200
+    assert call("GET", fleet["proxy"] + "/v1/models", key=CLIENT)[0] == 200  # forwarded with the replica token
+    assert call("GET", fleet["replicas"][0] + "/v1/models", key=CLIENT)[0] == 401
+
+
+def test_load_reaches_every_replica(fleet):
+    save_random_adapter(fleet["dir"] / "v1", r=2)
+    status, text, _ = load(fleet, "v1", fleet["dir"] / "v1")
+    assert status == 200 and text == "Success: LoRA adapter 'v1' added successfully."
+    assert all("v1" in names for names in listed(fleet))
+
+
+def test_a_load_that_fails_on_one_replica_is_on_none(fleet):
+    save_random_adapter(fleet["dir"] / "r16", r=16, alpha=16)  # replica B serves rank <= 8 only
+    status, text, _ = load(fleet, "r16", fleet["dir"] / "r16")
+    assert status == 500 and "1/2 servers failed to load r16; rolled back" in text and fleet["replicas"][1] in text
+    assert not any("r16" in names for names in listed(fleet))
+
+
+def test_a_directory_that_appears_late_is_retried_until_it_loads(fleet):
+    path = fleet["dir"] / "late"
+    threading.Timer(1.0, save_random_adapter, args=(path,)).start()
+    status, _, _ = load(fleet, "late", path)
+    assert status == 200 and all("late" in names for names in listed(fleet))
+
+
+def test_unload_answers_as_one_server_would(fleet):
+    save_random_adapter(fleet["dir"] / "gone", r=2)
+    load(fleet, "gone", fleet["dir"] / "gone")
+    status, text, _ = call("POST", fleet["proxy"] + "/v1/unload_lora_adapter", {"lora_name": "gone"}, key=CLIENT)
+    assert status == 200 and text == "Success: LoRA adapter 'gone' removed successfully."
+    assert not any("gone" in names for names in listed(fleet))
+    status, _, out = call("POST", fleet["proxy"] + "/v1/unload_lora_adapter", {"lora_name": "gone"}, key=CLIENT)
+    assert status == 404 and out["error"]["message"] == "The lora adapter 'gone' cannot be found."
+
+
+def test_completions_are_routed_and_counted(fleet):
+    for _ in range(6):
+        status, _, out = call("POST", fleet["proxy"] + "/v1/completions", {"prompt": PROMPT, "n": 2, "max_tokens": 4}, key=CLIENT)
+        assert status == 200 and len(out["choices"]) == 2 and call.headers["X-Proxy-Upstream"] in ("0", "1")
+    stats = call("GET", fleet["proxy"] + "/proxy/stats", key=CLIENT)[2]
+    assert [u["url"] for u in stats["upstreams"]] == fleet["replicas"]
+    assert sum(u["routed"] for u in stats["upstreams"]) >= 6 and stats["router"]["routed"] >= 6
+    assert set(stats["router"]) >= {"affinity", "spilled", "unmatched", "tracked_blocks"}
+
+
+def test_pause_and_resume_reach_every_replica(fleet):
+    assert call("POST", fleet["proxy"] + "/pause?mode=keep", key=CLIENT)[2] == {"status": "paused"}
+    assert all(call("GET", r + "/is_paused", key=UPSTREAM)[2]["is_paused"] for r in fleet["replicas"])
+    assert call("POST", fleet["proxy"] + "/resume", key=CLIENT)[2] == {"status": "resumed"}
+    assert not any(call("GET", r + "/is_paused", key=UPSTREAM)[2]["is_paused"] for r in fleet["replicas"])
+
+
+def test_a_dead_replica_is_named_and_completions_go_around_it(fleet):
+    status, text, _ = call("GET", fleet["half"] + "/health")
+    assert status == 502 and "1/2 servers unhealthy" in text and fleet["dead"] in text
+    for _ in range(4):  # round-robin on ties would pick the dead one half the time
+        assert call("POST", fleet["half"] + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
+
+
+def test_http_engine_loads_versions_generates_and_unloads_old_names(fleet):
+    engine = HttpEngine(fleet["proxy"], CLIENT, keep=2)
+    engine.wait_ready(timeout_s=30)
+    for v in range(4):
+        save_random_adapter(fleet["dir"] / adapter_name(v), r=2, seed=v)
+        engine.load_adapter(v, str(fleet["dir"] / adapter_name(v)))
+    names = listed(fleet)
+    assert all({adapter_name(2), adapter_name(3)} <= n and not {adapter_name(0), adapter_name(1)} & n for n in names)
+    other = HttpEngine(fleet["proxy"], CLIENT, keep=2)  # a second generator: "already loaded" is success
+    other.load_adapter(3, str(fleet["dir"] / adapter_name(3)))
+    groups = engine.generate([PROMPT, PROMPT[:4]], SamplingParams(n=4, max_tokens=5))
+    assert [len(g) for g in groups] == [4, 4]
+    assert all(len(c.token_ids) == len(c.logprobs) > 0 and c.finish_reason in ("stop", "length") for g in groups for c in g)
+    for r in fleet["replicas"]:  # a replica restarted and forgot the adapter: the engine loads it again
+        call("POST", r + "/v1/unload_lora_adapter", {"lora_name": adapter_name(3)}, key=UPSTREAM)
+    assert len(engine.generate([PROMPT], SamplingParams(n=2, max_tokens=3))[0]) == 2
+    engine.close()
+    other.close()
+
+
+def test_http_engine_fails_clearly_when_nothing_listens(fleet):
+    engine = HttpEngine(fleet["dead"], retries=2)
+    with pytest.raises(ServerError, match=fleet["dead"]):
+        engine.load_adapter(0, os.fspath(fleet["dir"]))
+    engine.close()
