@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoTokenizer, HfArgumentParser
 
 from minigrpo.adapters import AdapterStore
@@ -113,17 +114,23 @@ def main():
           f"{cfg.prompts_per_batch * run.group_size} completions per batch\n  {asdict(run)}\n  {asdict(cfg)}", flush=True)
 
     batch = written = 0
+    skipped = set()  # adapter versions that could not be loaded
     while not cfg.max_batches or batch < cfg.max_batches:
         backpressure_s = wait_for_room(buffer, cfg.max_ready, done, cfg.poll_s)
         latest = wait_for_adapter(store, done, cfg.poll_s)
         if latest is None:
             break
         t0 = time.time()
-        if latest[0] != engine.version:
+        if latest[0] != engine.version and latest[0] not in skipped:
             try:
                 engine.load_adapter(*latest)
-            except FileNotFoundError:  # pruned between reading LATEST and loading it: read LATEST again
-                continue
+            except (OSError, ValueError, KeyError, SafetensorError) as e:  # incomplete or damaged: keep the old one
+                skipped.add(latest[0])
+                print(f"generator {gen_id}: cannot load {latest[1]} ({type(e).__name__}: {e}); "
+                      f"{'staying on version ' + str(engine.version) if engine.version is not None else 'waiting'}", flush=True)
+        if engine.version is None:
+            time.sleep(cfg.poll_s)
+            continue
         sync_s = time.time() - t0
 
         # ---- sample, score, write: one group per prompt, all with the version loaded now ----
@@ -148,7 +155,7 @@ def main():
         record = {"batch": batch, "policy_version": version, "reward/mean": sum(flat) / len(flat),
                   "completions/mean_length": n_tok / len(flat), "rollout/generated_tok_s": n_tok / gen_s,
                   "rollout/backpressure_s": backpressure_s, "perf/weight_sync_s": sync_s, "perf/generate_s": gen_s,
-                  "sample/rollout_queue_size": buffer.count_ready(), "time": time.time()}
+                  "sample/rollout_queue_size": buffer.count_ready(), "adapters_skipped": len(skipped), "time": time.time()}
         metrics.log(record, f"gen {gen_id} batch {batch} | v{version} | reward {record['reward/mean']:.3f} | "
                             f"{record['rollout/generated_tok_s']:.0f} tok/s | backpressure {backpressure_s:.2f}s")
     if hasattr(engine, "close"):
@@ -157,4 +164,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except OSError as e:  # a read-only or full run directory, a vanished mount: say so, keep what is written
+        raise SystemExit(f"generate.py: {type(e).__name__}: {e}\nEvery file it finished is intact (groups appear "
+                         f"whole or not at all); fix the problem and start it again.")

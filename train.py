@@ -207,6 +207,7 @@ def main():
         step, stats = state["step"], state["stats"]
         print(f"resumed from {ckpt} (step {step})", flush=True)
     restored = buffer.restore_claimed()
+    buffer.sweep_temps(max_age_s=300)  # half-written files of generators that were killed
     # ---- publish first: version 0 is the untrained adapter, a resume publishes its weights under a new name ----
     version = store.next_version()
     publish(store, model, version, peft_config, keep=cfg.max_staleness + 1)
@@ -263,4 +264,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except OSError as e:  # a read-only or full run directory, a vanished mount: say so, keep what is written
+        raise SystemExit(f"train.py: {type(e).__name__}: {e}\nNothing complete was overwritten (adapters and "
+                         f"checkpoints appear whole or not at all); fix the problem and run the same command to resume.")

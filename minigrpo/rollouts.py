@@ -111,9 +111,22 @@ class RolloutBuffer:
         tensors, metadata = to_tensors(group)
         final = os.path.join(self.ready, group_id + ".safetensors")
         tmp = os.path.join(self.ready, f".{group_id}.tmp")
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, final)
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+            os.replace(tmp, final)
+        except OSError as e:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise OSError(e.errno, f"cannot write a rollout group into {self.ready}: {e.strerror or e}") from e
         return group_id
+
+    def sweep_temps(self, max_age_s: float):
+        """Delete temp files older than max_age_s: left by generators killed mid-write (younger ones may be live)."""
+        now = time.time()
+        for name in os.listdir(self.ready):
+            path = os.path.join(self.ready, name)
+            if name.startswith(".") and name.endswith(".tmp") and now - os.path.getmtime(path) > max_age_s:
+                os.remove(path)
 
     def count_ready(self) -> int:
         return sum(1 for n in os.listdir(self.ready) if n.endswith(".safetensors"))

@@ -61,7 +61,12 @@ def remove_stale_temps(directory: str):
 
 def join_run(run_dir: str, settings: RunSettings) -> dict:
     """Create run.json if this process is first, else check it matches; returns its contents."""
-    os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
+    try:
+        os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
+        write_atomic(os.path.join(run_dir, ".write-probe"), "")
+        os.remove(os.path.join(run_dir, ".write-probe"))
+    except OSError as e:
+        raise SystemExit(f"the run directory {run_dir} is not writable: {e}") from e
     path = os.path.join(run_dir, "run.json")
     mine = dataclasses.asdict(settings)
     if not os.path.exists(path):
