@@ -55,6 +55,8 @@ class GenerateConfig:
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the trainer)"})
     poll_s: float = field(default=0.05, metadata={"help": "how often to look at LATEST, ready/ and DONE while waiting"})
     max_batches: int = field(default=0, metadata={"help": "stop after this many batches (0: until DONE)"})
+    lockstep: bool = field(default=False, metadata={"help": "synchronous GRPO for comparison: sample only after the "
+                                                             "trainer took the last batch and published a newer adapter"})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -76,9 +78,13 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
     raise SystemExit(f"unknown --engine {cfg.engine!r}; choose torch, http or vllm")
 
 
-def wait_for_room(buffer: RolloutBuffer, max_ready: int, done: str, poll_s: float) -> float:
-    """Backpressure: block while ready/ is full. Returns the seconds waited."""
+def wait_for_room(buffer: RolloutBuffer, max_ready: int, done: str, poll_s: float, newer_than=None, store=None) -> float:
+    """Backpressure: block while ready/ is full (lock-step: until it is empty and a newer adapter is out).
+    Returns the seconds waited."""
     t0 = time.time()
+    if newer_than is not None:
+        while (buffer.count_ready() or store.latest()[0] <= newer_than) and not os.path.exists(done):
+            time.sleep(poll_s)
     while buffer.count_ready() >= max_ready and not os.path.exists(done):
         time.sleep(poll_s)
     return time.time() - t0
@@ -116,7 +122,8 @@ def main():
     batch = written = 0
     skipped = set()  # adapter versions that could not be loaded
     while not cfg.max_batches or batch < cfg.max_batches:
-        backpressure_s = wait_for_room(buffer, cfg.max_ready, done, cfg.poll_s)
+        lockstep = engine.version if cfg.lockstep and batch else None
+        backpressure_s = wait_for_room(buffer, cfg.max_ready, done, cfg.poll_s, lockstep, store)
         latest = wait_for_adapter(store, done, cfg.poll_s)
         if latest is None:
             break

@@ -111,10 +111,12 @@ def build_sequences(groups, run, cfg, G):
 
 
 def micro_batches(seqs, budget: int):
-    """Longest first, packed while (rows x longest row) fits the token budget: little padding, few passes."""
+    """Longest first, packed while (rows x longest row) fits the token budget and no row is padded to more than
+    twice its length: few passes, bounded padding."""
     batches, current = [], []
     for s in sorted(seqs, key=lambda s: -len(s["ids"])):
-        if current and (len(current) + 1) * len(current[0]["ids"]) > budget:
+        longest = len(current[0]["ids"]) if current else 0
+        if current and ((len(current) + 1) * longest > budget or 2 * len(s["ids"]) < longest):
             batches.append(current)
             current = []
         current.append(s)

@@ -85,7 +85,7 @@ class TorchEngine:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L) positions ignore the padding
         col = lambda f, dtype=torch.float32: torch.tensor([f(sp) for _, sp, _ in rows], dtype=dtype, device=self.device)
         temp, top_p, limit = col(lambda sp: sp.temperature), col(lambda sp: sp.top_p), col(lambda sp: sp.max_tokens, torch.long)
-        greedy, temp = temp == 0, temp.clamp(min=1e-6)
+        greedy, temp, use_top_p = temp == 0, temp.clamp(min=1e-6), bool((top_p < 1).any())  # sorting V costs
         stops = [self.stop_ids + list(sp.stop_token_ids) for _, sp, _ in rows]
         stops = torch.tensor([s + [-1] * (max(map(len, stops)) - len(s)) for s in stops], device=self.device)  # (B, S)
         gens = {r: torch.Generator(self.device).manual_seed(sp.seed + i) for r, (_, sp, i) in enumerate(rows)
@@ -98,7 +98,9 @@ class TorchEngine:
         stopped = torch.zeros_like(done)
         tokens, logps, alive, tops = [], [], [], []
         for t in range(int(limit.max())):
-            logp_all = nucleus(torch.log_softmax(logits / temp[:, None], -1), top_p)  # (B, V) what is sampled from
+            logp_all = torch.log_softmax(logits / temp[:, None], -1)  # (B, V) what is sampled from
+            if use_top_p:
+                logp_all = nucleus(logp_all, top_p)
             sampled = (logp_all + self._noise(gens, *logp_all.shape)).argmax(-1)  # (B,)
             tok = torch.where(greedy, logp_all.argmax(-1), sampled)
             tokens.append(tok)

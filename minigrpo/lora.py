@@ -33,8 +33,8 @@ class LoRALinear(nn.Module):
         y = self.base(x)  # (..., out)
         if self.merged:
             return y
-        delta = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T  # (..., r) -> (..., out)
-        return y + (self.scaling * delta).to(y.dtype)
+        h = (x.to(self.lora_A.dtype) @ self.lora_A.T) * self.scaling  # (..., r): scale the small tensor
+        return y + (h @ self.lora_B.T).to(y.dtype)  # (..., out)
 
     def delta_weight(self):
         return self.scaling * (self.lora_B @ self.lora_A)  # (out, in)

@@ -1,0 +1,53 @@
+"""Shared by the benchmarks: timing, a printed table, and a JSON file under bench/results/."""
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def timed(fn, iters: int = 5, warmup: int = 1) -> float:
+    """Median seconds of fn() over iters runs, after warmup runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def timed_together(fns: dict, iters: int = 5, warmup: int = 1) -> dict:
+    """Median seconds of each fn, run in turns (a, b, a, b, ...) so that machine noise hits all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(iters):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def report(name: str, rows: list[dict], notes: str = "") -> str:
+    """Print rows as a table and write them to bench/results/<name>.json."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+    widths = [max(len(k), *(len(fmt(r.get(k, ""))) for r in rows)) for k in keys]
+    print(f"\n== {name} ==")
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
+    for r in rows:
+        print("  ".join(fmt(r.get(k, "")).ljust(w) for k, w in zip(keys, widths)))
+    if notes:
+        print(notes)
+    os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
+    path = os.path.join(ROOT, "bench", "results", f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"rows": rows, "notes": notes, "time": time.time()}, f, indent=2)
+    return path

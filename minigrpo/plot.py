@@ -1,0 +1,111 @@
+"""A picture of a run: the dashboard to read when a run learns slowly or one side waits on the other.
+
+    python -m minigrpo.plot runs/demo                  # writes runs/demo/dashboard.png
+
+Panels: reward and eval accuracy; the policy ratio and clip fractions; staleness and what was dropped; where each
+step's time went (forward+backward, waiting for rollouts, weight sync); the rollout queue against the generators'
+backpressure (a full queue with backpressure: the trainer is the bottleneck; an empty one with rollout wait: the
+generators are); entropy and completion length.
+"""
+import argparse
+import glob
+import json
+import os
+
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_records(run_dir: str) -> list[dict]:
+    """The records that stand: a step re-run after a resume supersedes the earlier record of that step."""
+    by_step = {r["step"]: r for r in read_jsonl(os.path.join(run_dir, "metrics", "train.jsonl"))}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_run(run_dir: str, out: str) -> str:
+    train = train_records(run_dir)
+    steps = [r for r in train if r["step"] > 0]
+    x = [r["step"] for r in steps]
+    col = lambda key: [r.get(key, float("nan")) for r in steps]
+    fig, ax = plt.subplots(2, 3, figsize=(16, 8.5))
+    fig.suptitle(f"minigrpo run {os.path.abspath(run_dir)}")
+
+    a = ax[0, 0]
+    a.plot(x, col("reward/mean"), lw=0.8, alpha=0.6, label="reward/mean (train batch)")
+    evals = [r for r in train if "eval/accuracy" in r]
+    a.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", color="C3", label="eval/accuracy")
+    a.set_title("reward and held-out accuracy")
+
+    a = ax[0, 1]
+    a.plot(x, col("ratio/mean"), label="ratio/mean")
+    a.fill_between(x, col("ratio/min"), col("ratio/max"), alpha=0.2, label="ratio min..max")
+    a.set_yscale("log")  # a ratio is multiplicative: 2x and 0.5x sit at the same distance from 1
+    b = a.twinx()
+    b.plot(x, col("clip_ratio/low"), color="C2", lw=0.8, label="clip_ratio/low")
+    b.plot(x, col("clip_ratio/high"), color="C3", lw=0.8, label="clip_ratio/high")
+    b.legend(loc="upper right", fontsize=8)
+    a.set_title("policy ratio pi/mu and clipped fractions")
+
+    a = ax[0, 2]
+    a.plot(x, col("sample/staleness_mean"), label="staleness mean")
+    a.plot(x, col("sample/staleness_max"), label="staleness max")
+    a.plot(x, col("sample/dropped_stale_total"), label="dropped stale (total)")
+    a.set_title("staleness (versions behind the trainer)")
+
+    a = ax[1, 0]
+    parts = [("perf/fwd_bwd_s", "forward+backward"), ("perf/rollout_wait_s", "rollout wait"), ("perf/weight_sync_s", "weight sync")]
+    a.stackplot(x, *[col(k) for k, _ in parts], labels=[n for _, n in parts], alpha=0.8)
+    a.plot(x, col("perf/step_s"), color="k", lw=0.5, label="step total")
+    a.set_title("where a step's time goes (s)")
+
+    a = ax[1, 1]
+    a.plot(x, col("sample/rollout_queue_size"), label="groups waiting in ready/")
+    gens = sorted(glob.glob(os.path.join(run_dir, "metrics", "generate-*.jsonl")))
+    t0 = steps[0]["time"] if steps else 0
+    b = a.twinx()
+    for path in gens:  # cumulative backpressure against wall time, mapped onto the step axis
+        g = [r for r in read_jsonl(path) if r["time"] >= t0]
+        total, cum = 0.0, []
+        for r in g:
+            total += r["rollout/backpressure_s"]
+            cum.append(total)
+        at = np.interp([r["time"] for r in g], [r["time"] for r in steps], x)  # wall time -> step axis
+        b.plot(at, cum, color="C3", lw=0.8, label=f"backpressure s (cum.) {os.path.basename(path)[9:-6]}")
+    b.legend(loc="lower right", fontsize=8)
+    a.set_title("rollout queue against generator backpressure")
+
+    a = ax[1, 2]
+    a.plot(x, col("entropy"), label="entropy (nats/token)")
+    b = a.twinx()
+    b.plot(x, col("completions/mean_length"), color="C1", lw=0.8, label="completion length")
+    b.legend(loc="upper right", fontsize=8)
+    a.set_title("entropy and completion length")
+
+    for a in ax.flat:
+        a.set_xlabel("step")
+        a.legend(loc="upper left", fontsize=8)
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir")
+    parser.add_argument("--out", default=None, help="PNG path (default RUN/dashboard.png)")
+    args = parser.parse_args()
+    print(plot_run(args.run_dir, args.out or os.path.join(args.run_dir, "dashboard.png")))
+
+
+if __name__ == "__main__":
+    main()

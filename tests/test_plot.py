@@ -1,0 +1,33 @@
+"""The dashboard: a run's metrics become one PNG.
+
+    python -m pytest -q tests/test_plot.py
+"""
+import json
+import os
+
+from minigrpo.plot import plot_run, train_records
+
+
+def write_run(run_dir):
+    os.makedirs(os.path.join(run_dir, "metrics"))
+    with open(os.path.join(run_dir, "metrics", "train.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 0, "eval/accuracy": 0.3, "time": 100.0}) + "\n")
+        for step in range(1, 21):
+            f.write(json.dumps({"step": step, "time": 100.0 + step, "reward/mean": 0.3 + step / 100, "ratio/mean": 1.0,
+                                "ratio/min": 0.9, "ratio/max": 1.1, "clip_ratio/low": 0.01, "clip_ratio/high": 0.0,
+                                "sample/staleness_mean": 1.0, "sample/staleness_max": 2, "sample/dropped_stale_total": 0,
+                                "perf/fwd_bwd_s": 0.1, "perf/rollout_wait_s": 0.02, "perf/weight_sync_s": 0.01,
+                                "perf/step_s": 0.14, "sample/rollout_queue_size": 5, "entropy": 0.5,
+                                "completions/mean_length": 3.0} | ({"eval/accuracy": 0.5} if step == 20 else {})) + "\n")
+        f.write(json.dumps({"step": 20, "time": 130.0, "reward/mean": 0.9}) + "\n")  # a re-run step supersedes
+    with open(os.path.join(run_dir, "metrics", "generate-g0.jsonl"), "w") as f:
+        for i in range(10):
+            f.write(json.dumps({"time": 101.0 + 2 * i, "rollout/backpressure_s": 0.5}) + "\n")
+
+
+def test_dashboard_is_written_and_resumed_steps_supersede(tmp_path):
+    run_dir = str(tmp_path / "run")
+    write_run(run_dir)
+    assert train_records(run_dir)[-1]["reward/mean"] == 0.9 and len(train_records(run_dir)) == 21
+    out = plot_run(run_dir, str(tmp_path / "dash.png"))
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(out) > 20_000
