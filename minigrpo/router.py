@@ -11,6 +11,7 @@ prefix cache without its exact hashes:
   - affinity goes to the replica with the longest specific prefix while it is at most `imbalance` requests ahead
     of the least loaded one; otherwise the request spills to the least loaded (round-robin on ties).
 """
+import array
 import collections
 import hashlib
 import json
@@ -25,13 +26,14 @@ class PrefixRouter:
 
     def blocks(self, model: str, prompt) -> list[bytes]:
         """Chained hashes of the full blocks of a prompt: token ids, or text (4 bytes a token, roughly)."""
-        if isinstance(prompt, str):
-            data = prompt.encode()
-            size = 4 * self.block_size
-            pieces = [data[i:i + size] for i in range(0, len(data) - size + 1, size)]
-        else:
-            pieces = [json.dumps(prompt[i:i + self.block_size]).encode()
-                      for i in range(0, len(prompt) - self.block_size + 1, self.block_size)]
+        data, size = None, 4 * self.block_size  # text: about 4 bytes a token
+        if not isinstance(prompt, str):
+            try:
+                data, size = array.array("q", prompt).tobytes(), 8 * self.block_size  # 8 bytes a token id
+            except OverflowError:  # ids beyond int64: no tokenizer has those, hash the text of the list instead
+                prompt = json.dumps(prompt)
+        data = prompt.encode() if data is None else data
+        pieces = [data[i:i + size] for i in range(0, len(data) - size + 1, size)]
         h, out = hashlib.blake2b(model.encode(), digest_size=16).digest(), []
         for piece in pieces:
             h = hashlib.blake2b(h + piece, digest_size=16).digest()
