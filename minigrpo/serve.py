@@ -100,6 +100,7 @@ class Server:
             await resumed.wait()
             wake.clear()
             while self.pending:
+                await resumed.wait()  # a pause with mode=keep freezes what is queued until /resume
                 names, jobs, rows, keep = [], [], 0, collections.deque()
                 while self.pending:
                     job = self.pending.popleft()
@@ -115,7 +116,7 @@ class Server:
                     group = [j for j in jobs if j.model == name]
                     try:
                         outs = await asyncio.to_thread(self.run, name, group)
-                    except (OSError, ValueError, KeyError, RuntimeError) as e:
+                    except Exception as e:  # noqa: BLE001 -- answer 500 and keep serving, whatever broke
                         outs = [e] * len(group)
                     for job, out in zip(group, outs):
                         if not job.future.done():
