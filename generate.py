@@ -31,10 +31,10 @@ from minigrpo.adapters import AdapterStore
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.lora import inject_lora
 from minigrpo.model import load_model, pick_device, resolve_model, stop_token_ids
-from minigrpo.remote import HttpEngine, VllmEngine
+from minigrpo.remote import HttpEngine, ServerError, VllmEngine
 from minigrpo.rollouts import Group, RolloutBuffer
 from minigrpo.run import Metrics, RunSettings, done_path, join_run
-from minigrpo.tasks import make_task, score
+from minigrpo.tasks import make_task, prompt_ids, score
 
 
 @dataclass
@@ -114,7 +114,7 @@ def main():
     rng = random.Random(f"{cfg.seed}-{gen_id}")
     engine, tokenizer = make_engine(cfg, run, seed=rng.getrandbits(63))
     sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
-    task, buffer, store = make_task(run.task), RolloutBuffer(cfg.run_dir), AdapterStore(cfg.run_dir)
+    task, buffer, store = make_task(run), RolloutBuffer(cfg.run_dir), AdapterStore(cfg.run_dir)
     metrics = Metrics(cfg.run_dir, f"generate-{gen_id}")
     print(f"generator {gen_id} ({cfg.engine} engine): {cfg.prompts_per_batch} prompts x G={run.group_size} = "
           f"{cfg.prompts_per_batch * run.group_size} completions per batch\n  {asdict(run)}\n  {asdict(cfg)}", flush=True)
@@ -142,7 +142,7 @@ def main():
 
         # ---- sample, score, write: one group per prompt, all with the version loaded now ----
         problems = [task.sample(rng) for _ in range(cfg.prompts_per_batch)]
-        prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+        prompts = [prompt_ids(tokenizer, p.prompt, run.system_prompt) for p in problems]
         started, version = time.time(), engine.version
         completions = engine.generate(prompts, sampling)
         gen_s = time.time() - started
@@ -173,6 +173,8 @@ def main():
 if __name__ == "__main__":
     try:
         main()
+    except ServerError as e:  # the server or proxy refused or stayed unreachable through every retry
+        raise SystemExit(f"generate.py: {e}")
     except OSError as e:  # a read-only or full run directory, a vanished mount: say so, keep what is written
         raise SystemExit(f"generate.py: {type(e).__name__}: {e}\nEvery file it finished is intact (groups appear "
                          f"whole or not at all); fix the problem and start it again.")

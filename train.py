@@ -32,7 +32,7 @@ from minigrpo.lora import adapter_config, inject_lora, lora_disabled, lora_state
 from minigrpo.model import load_model, pick_device, resolve_model, sequence_logprobs, stop_token_ids
 from minigrpo.rollouts import RolloutBuffer, is_fresh, validator
 from minigrpo.run import Metrics, RunSettings, done_path, join_run, write_atomic
-from minigrpo.tasks import make_task, score
+from minigrpo.tasks import make_task, prompt_ids, score
 
 
 @dataclass
@@ -169,7 +169,7 @@ def train_step(model, optimizer, seqs, run, cfg, pad_id, device):
 
 def evaluate(engine, tokenizer, task, problems, run, seed) -> float:
     """pass@1 at the run's temperature on a fixed held-out set (the same sampling seed every time)."""
-    prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+    prompts = [prompt_ids(tokenizer, p.prompt, run.system_prompt) for p in problems]
     completions = engine.generate(prompts, SamplingParams(max_tokens=run.max_new_tokens, temperature=run.temperature, seed=seed))
     return sum(r[0] for r in score(task, tokenizer, problems, completions)) / len(problems)
 
@@ -196,7 +196,7 @@ def main():
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
-    task, buffer, store = make_task(run.task), RolloutBuffer(cfg.run_dir), AdapterStore(cfg.run_dir)
+    task, buffer, store = make_task(run), RolloutBuffer(cfg.run_dir), AdapterStore(cfg.run_dir)
     eval_problems = task.eval_problems(cfg.eval_size)
     peft_config = adapter_config(run.lora_r, run.lora_alpha, run.lora_targets, os.path.abspath(resolve_model(run.model))
                                  if run.model == "demo" else run.model)

@@ -53,7 +53,9 @@ class HttpEngine:
     def wait_ready(self, timeout_s: float = 300.0):
         """Block until GET /health answers 200, or fail naming the address."""
         async def poll():
-            for _ in range(int(timeout_s / 0.5)):
+            for i in range(int(timeout_s / 0.5)):
+                if i == 20:
+                    print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
                 try:
                     if (await self._call("GET", "/health"))[0] == 200:
                         return

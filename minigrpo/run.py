@@ -19,7 +19,11 @@ from minigrpo.lora import DEFAULT_TARGETS
 class RunSettings:
     """Settings the trainer and every generator must share. Written once to RUN/run.json, checked by each joiner."""
     model: str = field(default="demo", metadata={"help": "base model: 'demo' (built in), a local folder or a hub id"})
-    task: str = field(default="reverse_add", metadata={"help": "prompt set and reward, see minigrpo/tasks.py"})
+    task: str = field(default="reverse_add", metadata={"help": "prompt set and reward: reverse_add | math (minigrpo/tasks.py)"})
+    task_data: str = field(default="", metadata={"help": "math: a .jsonl/.parquet file or hf://datasets/OWNER/NAME/FILE"})
+    task_fields: str = field(default="problem,answer", metadata={"help": "math: the problem and answer field names"})
+    system_prompt: str = field(default="", metadata={"help": "system message for models with a chat template"})
+    reasoning: bool = field(default=False, metadata={"help": "math: grade only after </think> (R1-style models)"})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank r"})
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha; the update is scaled by alpha / r"})
     lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS),

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from minigrpo.demo import CHARS, build_tokenizer
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.model import DEMO_MODEL, load_model, stop_token_ids
+from minigrpo.run import RunSettings
 from minigrpo.tasks import ReverseAddition, make_task, score
 
 
@@ -31,7 +32,7 @@ def test_tokenizer_round_trips_through_auto_tokenizer():
 
 
 def test_task_answers_are_reversed_sums_and_splits_are_disjoint():
-    task = make_task("reverse_add")
+    task = make_task(RunSettings())
     assert ReverseAddition.problem(12, 34).answer == "64" and ReverseAddition.problem(99, 99).answer == "891"
     assert task.reward(" 64", "64") == 1.0 and task.reward("46", "64") == 0.0
     assert not set(task.train_pairs) & set(task.eval_pairs)
@@ -40,7 +41,7 @@ def test_task_answers_are_reversed_sums_and_splits_are_disjoint():
 def test_base_model_is_right_only_part_of_the_time():
     torch.manual_seed(0)
     model, tokenizer = load_model("demo", torch.device("cpu"))
-    task = make_task("reverse_add")
+    task = make_task(RunSettings())
     problems = task.eval_problems(400)
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     completions = engine.generate([tokenizer(p.prompt)["input_ids"] for p in problems], SamplingParams(max_tokens=8, seed=0))

@@ -1,0 +1,73 @@
+"""The math task: boxed-answer extraction, think-tag handling, equivalent answers, garbage, data files with their
+own field names, and prompts through a chat template. Nothing is downloaded.
+
+    python -m pytest -q tests/test_math.py
+"""
+import json
+
+import pytest
+
+from minigrpo import tasks
+from minigrpo.demo import build_tokenizer
+from minigrpo.run import RunSettings
+from minigrpo.tasks import last_boxed, make_task, math_reward, prompt_ids
+
+ROWS = [{"question": f"What is {a} + {b}?", "solution": str(a + b), "id": a} for a in range(20) for b in range(3)]
+
+
+def test_last_boxed_matches_braces_and_takes_the_last():
+    assert last_boxed(r"so \boxed{\frac{1}{2}} is it") == r"\frac{1}{2}"
+    assert last_boxed(r"\boxed{1} then \boxed{x^{2}}") == "x^{2}"
+    assert last_boxed(r"\fbox{7}") == "7"
+    assert last_boxed("no box here") is None and last_boxed(r"\boxed{unclosed") is None
+
+
+def test_reasoning_models_are_graded_after_the_one_end_of_thinking():
+    text = r"<think>maybe \boxed{3}</think> so the answer is \boxed{4}"
+    assert math_reward(text, "4", reasoning=True) == 1.0
+    assert math_reward(text, "3", reasoning=True) == 0.0
+    assert math_reward(r"<think>no end \boxed{4}", "4", reasoning=True) == 0.0
+    assert math_reward(r"</think>\boxed{4}</think>", "4", reasoning=True) == 0.0
+    assert math_reward(r"\boxed{4}", "4") == 1.0
+
+
+@pytest.mark.parametrize("pred, gold", [("0.5", r"\frac{1}{2}"), (r"\dfrac{1}{2}", "1/2"), (r"\frac12", "0.5"),
+                                        (r"90^\circ", "90"), (r"\text{12}", "12"), ("1,000", "1000"), (r"\left(3\right)", "(3)"),
+                                        ("-2", r"-\frac{4}{2}")])
+def test_equivalent_answers_score_one_without_math_verify(monkeypatch, pred, gold):
+    monkeypatch.setattr(tasks, "math_verify", None)
+    assert math_reward(rf"The answer is \boxed{{{pred}}}.", gold) == 1.0
+
+
+@pytest.mark.parametrize("completion", ["no answer at all", r"\boxed{}", r"\boxed{5}", r"\boxed{\frac{1}{0}}", "\\boxed{" * 50])
+def test_garbage_and_wrong_answers_score_zero(completion):
+    assert math_reward(completion, "4") == 0.0
+
+
+def test_math_verify_decides_symbolic_equivalence_when_installed(monkeypatch):
+    assert tasks.math_verify is not None, "requirements.txt installs math-verify"
+    assert math_reward(r"\boxed{(x+1)^2}", "x^2+2x+1") == 1.0
+    monkeypatch.setattr(tasks, "math_verify", None)
+    assert math_reward(r"\boxed{(x+1)^2}", "x^2+2x+1") == 0.0  # the plain comparison is careful, not clever
+
+
+def test_math_task_reads_a_jsonl_with_its_own_field_names(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    task = make_task(RunSettings(task="math", task_data=str(path), task_fields="question,solution"))
+    held_out = {p.prompt for p in task.eval_problems(100)}
+    assert len(held_out) == 3 and not held_out & {p.prompt for p in task.train_set}
+    problem = task.eval_problems(1)[0]
+    assert task.reward(rf"\boxed{{{problem.answer}}}", problem.answer) == 1.0
+    with pytest.raises(ValueError, match="'problem'"):
+        make_task(RunSettings(task="math", task_data=str(path)))
+    with pytest.raises(ValueError, match="task_data"):
+        make_task(RunSettings(task="math"))
+
+
+def test_prompts_go_through_the_chat_template_when_there_is_one():
+    tok = build_tokenizer()
+    assert prompt_ids(tok, "2+3=", "1") == tok("2+3=")["input_ids"]  # no template: plain text
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}{% if add_generation_prompt %}+{% endif %}"
+    assert prompt_ids(tok, "2+3", system_prompt="1") == tok("1=2+3=+")["input_ids"]
+    assert prompt_ids(tok, "2+3") == tok("2+3=+")["input_ids"]
