@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoTokenizer, HfArgumentParser
+from transformers import AutoTokenizer
 
 from minigrpo.adapters import AdapterStore
 from minigrpo.engine import SamplingParams, TorchEngine
@@ -33,7 +33,7 @@ from minigrpo.lora import inject_lora
 from minigrpo.model import load_model, pick_device, resolve_model, stop_token_ids
 from minigrpo.remote import HttpEngine, ServerError, VllmEngine
 from minigrpo.rollouts import Group, RolloutBuffer
-from minigrpo.run import Metrics, RunSettings, done_path, join_run
+from minigrpo.run import Metrics, RunSettings, done_path, join_run, parse_config
 from minigrpo.tasks import make_task, prompt_ids, score
 
 
@@ -103,7 +103,7 @@ def wait_for_adapter(store: AdapterStore, done: str, poll_s: float):
 
 # ---------------------------------------------------------------------------------------------------------------
 def main():
-    run, cfg = HfArgumentParser((RunSettings, GenerateConfig)).parse_args_into_dataclasses()
+    run, cfg = parse_config(RunSettings, GenerateConfig)
     gen_id = cfg.generator_id or f"{socket.gethostname()}-{os.getpid()}"
     done = done_path(cfg.run_dir)
     if os.path.exists(done):

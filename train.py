@@ -22,16 +22,15 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import HfArgumentParser
 
 from minigrpo.adapters import AdapterStore
 from minigrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.grpo import advantages, combine_metrics, grpo_loss, overlong_penalty, zero_std_groups
 from minigrpo.lora import adapter_config, inject_lora, lora_disabled, lora_state_dict
-from minigrpo.model import load_model, pick_device, resolve_model, sequence_logprobs, stop_token_ids
+from minigrpo.model import enable_checkpointing, load_model, pick_device, resolve_model, sequence_logprobs, stop_token_ids
 from minigrpo.rollouts import RolloutBuffer, is_fresh, validator
-from minigrpo.run import Metrics, RunSettings, done_path, join_run, write_atomic
+from minigrpo.run import Metrics, RunSettings, done_path, join_run, parse_config, write_atomic
 from minigrpo.tasks import make_task, prompt_ids, score
 
 
@@ -57,6 +56,7 @@ class TrainConfig:
     eval_every: int = field(default=50, metadata={"help": "pass@1 on the held-out set every N steps, and at step 0"})
     eval_size: int = field(default=400, metadata={"help": "held-out problems per evaluation"})
     micro_batch_tokens: int = field(default=4096, metadata={"help": "padded tokens per forward/backward micro-batch"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward: less memory"})
     seed: int = field(default=0, metadata={"help": "seed for the LoRA init and the evaluation samples"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
     dtype: str = field(default="float32", metadata={"help": "base weights: float32 | bfloat16 | float16 (LoRA and loss stay float32)"})
@@ -150,6 +150,7 @@ def train_step(model, optimizer, seqs, run, cfg, pad_id, device):
         with torch.no_grad(), lora_disabled(model):
             ref = [sequence_logprobs(model, ids, attn, run.temperature)[0] for ids, attn, *_ in batches]
     parts, entropy_sum, loss_sum = [], 0.0, 0.0
+    model.train(cfg.gradient_checkpointing)  # transformers checkpoints only in train mode (no dropout in these models)
     for (ids, attn, mask, behav, adv), old_logp, ref_logp in zip(batches, old, ref):
         logp, entropy = sequence_logprobs(model, ids, attn, run.temperature)  # (b, L-1) each
         loss, m = grpo_loss(logp, behav if old_logp is None else old_logp, behav, adv, mask, cfg.loss_type,
@@ -159,6 +160,7 @@ def train_step(model, optimizer, seqs, run, cfg, pad_id, device):
         parts.append(m)
         entropy_sum += (entropy * mask).sum().item()
         loss_sum += loss.item()
+    model.eval()  # and the engine needs eval mode for its KV cache
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
     optimizer.step()
@@ -182,7 +184,7 @@ def publish(store, model, version, config, keep) -> float:
 
 # ---------------------------------------------------------------------------------------------------------------
 def main():
-    run, cfg = HfArgumentParser((RunSettings, TrainConfig)).parse_args_into_dataclasses()
+    run, cfg = parse_config(RunSettings, TrainConfig)
     if os.path.exists(done_path(cfg.run_dir)):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({done_path(cfg.run_dir)} exists). "
                          f"Delete it (rm -r {cfg.run_dir}) or pass another --run_dir to start a new run.")
@@ -193,6 +195,8 @@ def main():
     device, G = pick_device(cfg.device), run.group_size
     model, tokenizer = load_model(run.model, device, cfg.dtype)
     inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)

@@ -39,6 +39,15 @@ def load_model(name: str, device: torch.device, dtype: str = "float32"):
     return model, tokenizer
 
 
+def enable_checkpointing(model):
+    """Recompute activations in the backward pass (transformers 5.24 renamed it; the 5.20 line has the old name)."""
+    kwargs = {"use_reentrant": False}  # works with frozen embeddings, no input gradients needed
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def stop_token_ids(model, tokenizer) -> list[int]:
     """EOS ids from both the tokenizer and generation_config (instruct models often list several)."""
     ids = {tokenizer.eos_token_id}

@@ -155,3 +155,16 @@ def test_join_run_writes_once_and_names_the_field_that_differs(tmp_path):
     with pytest.raises(SystemExit, match="group_size"):
         join_run(run, RunSettings(group_size=4))
     assert json.load(open(os.path.join(run, "run.json")))["temperature"] == 1.0
+
+
+def test_presets_give_both_scripts_the_same_run_settings_and_flags_still_win():
+    from minigrpo.run import parse_config
+    from generate import GenerateConfig
+    from train import TrainConfig
+    run_t, cfg = parse_config(RunSettings, TrainConfig, argv=["--preset", "qwen-math-1.5b", "--lr", "1e-5"])
+    run_g, gen = parse_config(RunSettings, GenerateConfig, argv=["--preset", "qwen-math-1.5b", "--engine", "vllm"])
+    assert run_t == run_g and (run_t.lora_r, run_t.lora_alpha, run_t.group_size, run_t.max_new_tokens) == (1, 2, 8, 3000)
+    assert (cfg.lr, cfg.loss_type, cfg.tis_cap, cfg.sync_every, cfg.groups_per_step * run_t.group_size) == (1e-5, "dr_grpo", 2.0, 4, 128)
+    assert gen.engine == "vllm" and parse_config(RunSettings, TrainConfig, argv=["--preset", "r1-distill-1.5b"])[0].reasoning
+    with pytest.raises(SystemExit, match="preset"):
+        parse_config(RunSettings, TrainConfig, argv=["--preset", "nope"])

@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_model
 
 from minigrpo.lora import inject_lora, lora_layers
+from minigrpo.model import enable_checkpointing
 from minigrpo.run import RunSettings
 from train import TrainConfig, micro_batches, train_step
 
@@ -52,3 +53,25 @@ def test_micro_batches_cover_each_sequence_once_within_budget_and_bounded_paddin
         longest = len(mb[0]["ids"])
         assert len(mb) == 1 or len(mb) * longest <= 1024
         assert all(2 * len(s["ids"]) >= longest for s in mb)
+
+
+def test_gradient_checkpointing_gives_the_same_step():
+    results = []
+    for checkpointing in (False, True):
+        model = tiny_model()
+        inject_lora(model, 4, 8)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for layer in lora_layers(model).values():
+                layer.lora_B.normal_(std=0.1)
+        if checkpointing:
+            enable_checkpointing(model)
+            assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        m = train_step(model, opt, sequences(model), RunSettings(max_new_tokens=8),
+                       TrainConfig(gradient_checkpointing=checkpointing), 0, torch.device("cpu"))
+        results.append((m["loss"], [l.lora_A.detach().clone() for l in lora_layers(model).values()]))
+        assert not model.training
+    assert abs(results[0][0] - results[1][0]) < 1e-6
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
