@@ -6,6 +6,7 @@ computes GRPO on the LoRA weights only, and publishes a new adapter version into
 
     python generate.py & python train.py                # the demo on a laptop CPU, a few minutes
     python train.py --run_dir /mnt/bucket/run1 ...      # any machine that mounts the run directory
+    torchrun --nproc_per_node 4 train.py ...            # data-parallel on 4 GPUs (rank 0 reads and publishes)
     (killed? run the same command again: it resumes from the newest checkpoint in RUN/checkpoints/)
 
 Where it departs from the GRPO paper, on purpose:
@@ -22,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from minigrpo.adapters import AdapterStore
 from minigrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -137,10 +139,11 @@ def collate(seqs, pad_id, device):
     return ids.to(device), attn.to(device), mask.to(device), behav.to(device), adv.to(device)
 
 
-def train_step(model, optimizer, seqs, run, cfg, pad_id, device):
-    """Forward/backward over token-budget micro-batches with the whole batch's normaliser, then one AdamW step."""
-    batches = [collate(mb, pad_id, device) for mb in micro_batches(seqs, cfg.micro_batch_tokens)]
-    num_seqs, num_tokens = len(seqs), sum(len(s["behav"]) for s in seqs)
+def train_step(model, optimizer, seqs, run, cfg, pad_id, device, rank=0, world=1):
+    """Forward/backward over token-budget micro-batches with the whole batch's normaliser, then one AdamW step.
+    Data-parallel: each rank takes every world-th sequence; the LoRA gradients are summed across ranks."""
+    num_seqs, num_tokens = len(seqs), sum(len(s["behav"]) for s in seqs)  # of the whole batch, on every rank
+    batches = [collate(mb, pad_id, device) for mb in micro_batches(seqs[rank::world], cfg.micro_batch_tokens)]
     old = [None] * len(batches)
     if cfg.old_logp == "recompute":  # pi_old: the current weights, before this step's update
         with torch.no_grad():
@@ -162,11 +165,37 @@ def train_step(model, optimizer, seqs, run, cfg, pad_id, device):
         loss_sum += loss.item()
     model.eval()  # and the engine needs eval mode for its KV cache
     params = [p for p in model.parameters() if p.requires_grad]
+    if world > 1:  # every rank ends with the whole batch's gradient and metrics, so every optimizer takes one step
+        for p in params:
+            if p.grad is None:  # this rank's share was empty
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (parts, entropy_sum, loss_sum))
+        parts = [x for g in gathered for x in g[0]]
+        entropy_sum, loss_sum = sum(g[1] for g in gathered), sum(g[2] for g in gathered)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return combine_metrics(parts) | {"loss": loss_sum, "grad_norm": grad_norm, "entropy": entropy_sum / num_tokens,
                                      "perf/micro_batches": len(batches)}
+
+
+def distributed() -> tuple[int, int]:
+    """(rank, world size). Under torchrun, join the process group; rank 0 leads (reads groups, publishes, logs)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return int(os.environ.get("RANK", "0")), world
+
+
+def share(obj, world: int):
+    """Rank 0's object on every rank (the batch of sequences: kilobytes to megabytes of token ids)."""
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def evaluate(engine, tokenizer, task, problems, run, seed) -> float:
@@ -185,6 +214,7 @@ def publish(store, model, version, config, keep) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 def main():
     run, cfg = parse_config(RunSettings, TrainConfig)
+    rank, world = distributed()
     if os.path.exists(done_path(cfg.run_dir)):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({done_path(cfg.run_dir)} exists). "
                          f"Delete it (rm -r {cfg.run_dir}) or pass another --run_dir to start a new run.")
@@ -212,6 +242,15 @@ def main():
         state = load_checkpoint(ckpt, model, optimizer)
         step, stats = state["step"], state["stats"]
         print(f"resumed from {ckpt} (step {step})", flush=True)
+    if world > 1:
+        for p in params:  # the same start on every rank
+            dist.broadcast(p.data, src=0)
+    if rank > 0:  # the other ranks only compute: rank 0 reads groups, publishes, checkpoints and logs
+        while step < cfg.max_steps:
+            step += 1
+            train_step(model, optimizer, share(None, world), run, cfg, tokenizer.pad_token_id, device, rank, world)
+        dist.destroy_process_group()
+        return
     restored = buffer.restore_claimed()
     buffer.sweep_temps(max_age_s=300)  # half-written files of generators that were killed
     # ---- publish first: version 0 is the untrained adapter, a resume publishes its weights under a new name ----
@@ -235,7 +274,7 @@ def main():
         staleness = [version - g.policy_version for g in groups]
         seqs, rewards, lengths = build_sequences(groups, run, cfg, G)
         t1 = time.time()
-        m = train_step(model, optimizer, seqs, run, cfg, tokenizer.pad_token_id, device)
+        m = train_step(model, optimizer, share(seqs, world), run, cfg, tokenizer.pad_token_id, device, 0, world)
         fwd_bwd_s, sync_s = time.time() - t1, 0.0
         if step % cfg.sync_every == 0:
             version += 1
@@ -267,6 +306,8 @@ def main():
 
     write_atomic(done_path(cfg.run_dir), f"finished at step {step}, version {version}\n")
     print(f"done: {cfg.run_dir} (DONE written)", flush=True)
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
