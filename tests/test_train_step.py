@@ -75,3 +75,13 @@ def test_gradient_checkpointing_gives_the_same_step():
     assert abs(results[0][0] - results[1][0]) < 1e-6
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_base_weights_train_float32_lora_with_float32_log_probs():
+    model = tiny_model().to(torch.bfloat16)
+    inject_lora(model, 4, 8)
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if ".lora_" in n)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    m = train_step(model, opt, sequences(model), RunSettings(max_new_tokens=8), TrainConfig(), 0, torch.device("cpu"))
+    assert torch.isfinite(torch.tensor([m["loss"], m["grad_norm"]])).all() and m["grad_norm"] > 0
+    assert abs(m["ratio/mean"] - 1) < 1e-3  # the behaviour log-probs came from the same bf16 model
