@@ -232,8 +232,7 @@ def main():
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     task, buffer, store = make_task(run), RolloutBuffer(cfg.run_dir), AdapterStore(cfg.run_dir)
     eval_problems = task.eval_problems(cfg.eval_size)
-    peft_config = adapter_config(run.lora_r, run.lora_alpha, run.lora_targets, os.path.abspath(resolve_model(run.model))
-                                 if run.model == "demo" else run.model)
+    peft_config = adapter_config(run.lora_r, run.lora_alpha, run.lora_targets, resolve_model(run.model))
     metrics = Metrics(cfg.run_dir, "train")
 
     # ---- resume from the newest checkpoint, if any; groups claimed after it go back to ready/ ----
