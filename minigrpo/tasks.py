@@ -11,7 +11,6 @@ comparison (spacing, \\left/\\right, \\dfrac, \\text{}, degrees, numbers and fra
 """
 import json
 import math
-import os
 import random
 import re
 from dataclasses import dataclass

@@ -11,8 +11,6 @@ import torch
 from conftest import call, free_port, save_random_adapter, start
 
 from minigrpo.engine import SamplingParams, TorchEngine
-from minigrpo.lora import load_adapter
-from minigrpo.model import stop_token_ids
 
 KEY = "test-key"
 PROMPT = [2, 3, 11, 4, 5, 12]  # "12+34=" in the demo tokenizer
