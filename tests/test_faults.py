@@ -3,6 +3,7 @@ replicas that hang or fail, and a few hundred random requests. Nothing may be lo
 
     python -m pytest -q tests/test_faults.py
 """
+import collections
 import errno
 import http.server
 import json
@@ -94,16 +95,21 @@ def test_trainer_killed_again_and_again_loses_nothing_and_trains_nothing_twice(t
     assert versions == sorted(versions)
 
 
+def written_by(buffer) -> collections.Counter:
+    """Visible groups per generator id (file names are <time>-<generator>-<seq>.safetensors)."""
+    return collections.Counter(n.split("-")[1] for n in os.listdir(buffer.ready) if not n.startswith("."))
+
+
 def test_generators_killed_mid_write_never_leave_a_partial_group(tmp_path):
     run_dir, rng = str(tmp_path / "run"), random.Random(1)
     publish_v0(run_dir)
     for life in range(2):
         buffer = RolloutBuffer(run_dir)
-        before = buffer.count_ready()
+        before = written_by(buffer)
         gens = [py("generate.py", "--run_dir", run_dir, "--generator_id", f"g{k}", "--max_ready", "100000") for k in (0, 1)]
-        deadline = time.time() + 120
-        while buffer.count_ready() <= before + 2:  # both are writing now
-            assert time.time() < deadline
+        deadline = time.time() + 180
+        while not all(written_by(buffer)[g] > before[g] for g in ("g0", "g1")):  # both are writing now
+            assert time.time() < deadline, written_by(buffer)
             time.sleep(0.02)
         time.sleep(rng.uniform(0, 0.5))  # then die at a random point, very likely inside a write
         for g in gens:
