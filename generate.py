@@ -73,8 +73,7 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
         engine.wait_ready()
         return engine, tokenizer
     if cfg.engine == "vllm":
-        rank = min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= run.lora_r)
-        return VllmEngine(resolve_model(run.model), rank, keep=cfg.max_staleness + 1, seed=seed), tokenizer
+        return VllmEngine(resolve_model(run.model), run.lora_r, keep=cfg.max_staleness + 1, seed=seed), tokenizer
     raise SystemExit(f"unknown --engine {cfg.engine!r}; choose torch, http or vllm")
 
 

@@ -16,6 +16,7 @@ from minigrpo.adapters import adapter_name
 from minigrpo.engine import Completion, SamplingParams
 
 RETRY_STATUS = (500, 502, 503, 504)
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for --max-lora-rank
 
 
 class ServerError(RuntimeError):
@@ -113,10 +114,11 @@ class HttpEngine:
 class VllmEngine:
     """vLLM's offline API as shared/spec/vllm_protocol.md section 6 records it. Needs `pip install vllm` and a GPU."""
 
-    def __init__(self, model: str, max_lora_rank: int, keep: int = 5, dtype: str = "auto", seed: int = 0,
+    def __init__(self, model: str, lora_r: int, keep: int = 5, dtype: str = "auto", seed: int = 0,
                  gpu_memory_utilization: float = 0.85):
         from vllm import LLM  # optional dependency: only this engine needs it
         self.keep, self.requests, self.version = keep, {}, None
+        max_lora_rank = min(r for r in MAX_LORA_RANKS if r >= lora_r)
         self.llm = LLM(model=model, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=keep + 1,
                        max_cpu_loras=keep + 1, logprobs_mode="processed_logprobs", dtype=dtype, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization)

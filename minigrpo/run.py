@@ -44,13 +44,10 @@ PRESETS = {
                            max_new_tokens=3000, temperature=1.0, lr=4e-5, groups_per_step=16, max_staleness=4,
                            sync_every=4, loss_type="dr_grpo", old_logp="recompute", tis_cap=2.0, dtype="bfloat16",
                            micro_batch_tokens=16384, eval_every=50, eval_size=500, max_steps=500),
-    # the same recipe for a reasoning model: grade after </think>, longer completions
-    "r1-distill-1.5b": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", task="math", reasoning=True, lora_r=1,
-                            lora_alpha=2, group_size=8, max_new_tokens=8192, temperature=1.0, lr=4e-5,
-                            groups_per_step=16, max_staleness=4, sync_every=4, loss_type="dr_grpo", old_logp="recompute",
-                            tis_cap=2.0, dtype="bfloat16", micro_batch_tokens=16384, eval_every=50, eval_size=500,
-                            max_steps=500),
 }
+# the same recipe for a reasoning model: grade after </think>, longer completions
+PRESETS["r1-distill-1.5b"] = PRESETS["qwen-math-1.5b"] | dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+                                                              reasoning=True, max_new_tokens=8192)
 
 
 def parse_config(*types, argv=None):

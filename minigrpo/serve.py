@@ -27,8 +27,8 @@ from transformers import HfArgumentParser
 from minigrpo.engine import Completion, SamplingParams, TorchEngine
 from minigrpo.lora import DEFAULT_TARGETS, apply_adapter, check_adapter, inject_lora, lora_layers, read_adapter
 from minigrpo.model import load_model, pick_device, stop_token_ids
+from minigrpo.remote import MAX_LORA_RANKS
 
-MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for --max-lora-rank
 
 
 @dataclass
@@ -61,7 +61,6 @@ class BadRequest(Exception):
 
 @dataclass
 class Adapter:
-    id: int
     path: str
     r: int
     alpha: float
@@ -89,7 +88,7 @@ class Server:
         self.max_model_len = self.model.config.max_position_embeddings
         self.adapters: dict[str, Adapter] = {}
         self.cache = collections.OrderedDict()  # name -> tensors, LRU, at most max_cpu_loras
-        self.active, self.next_id = None, 0
+        self.active = None  # the adapter name the LoRA layers hold now
         self.pending: collections.deque[Job] = collections.deque()
         self.paused = None  # None, or the pause mode
 
@@ -268,9 +267,7 @@ class Server:
             return error(500, f"Call to add_lora method failed: {e}", "InternalServerError")
         if self.active == name:
             self.active = None  # reloaded in place: apply the new weights on next use
-        old = self.adapters.get(name)
-        self.next_id += 0 if old else 1
-        self.adapters[name] = Adapter(old.id if old else self.next_id, path, r, alpha, int(time.time()))
+        self.adapters[name] = Adapter(path, r, alpha, int(time.time()))
         self.cache[name] = tensors
         self.tensors(name)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")

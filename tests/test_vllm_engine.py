@@ -63,14 +63,15 @@ def fake_vllm(monkeypatch):
 
 
 def test_engine_is_built_for_runtime_lora_and_processed_logprobs(fake_vllm):
-    engine = VllmEngine("/models/qwen", max_lora_rank=8, keep=5)
+    engine = VllmEngine("/models/qwen", lora_r=4, keep=5)
     kw = engine.llm.kwargs
-    assert kw["enable_lora"] and kw["max_lora_rank"] == 8 and kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["enable_lora"] and kw["max_lora_rank"] == 8  # the smallest value vLLM allows above r
+    assert VllmEngine("m", lora_r=1).llm.kwargs["max_lora_rank"] == 1 and kw["logprobs_mode"] == "processed_logprobs"
     assert kw["max_loras"] >= 5 and kw["max_cpu_loras"] >= kw["max_loras"]
 
 
 def test_each_version_is_a_new_lora_request_and_old_ones_are_removed(fake_vllm, tmp_path):
-    engine = VllmEngine("m", max_lora_rank=8, keep=2)
+    engine = VllmEngine("m", lora_r=8, keep=2)
     for v in range(4):
         engine.load_adapter(v, str(tmp_path / f"policy-v{v:06d}"))
     names = [r.lora_name for r in engine.llm.added]
@@ -81,7 +82,7 @@ def test_each_version_is_a_new_lora_request_and_old_ones_are_removed(fake_vllm, 
 
 
 def test_generate_sends_token_prompts_and_returns_sampled_logprobs(fake_vllm, tmp_path):
-    engine = VllmEngine("m", max_lora_rank=8)
+    engine = VllmEngine("m", lora_r=8)
     engine.load_adapter(3, str(tmp_path))
     groups = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(n=2, max_tokens=9, temperature=0.8, stop_token_ids=(0,)))
     prompts, sp, request = engine.llm.calls[-1]
