@@ -93,15 +93,17 @@ def remove_stale_temps(directory: str):
     for name in os.listdir(directory):
         if name.startswith(".") and name.endswith(".tmp"):
             path = os.path.join(directory, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            with contextlib.suppress(FileNotFoundError):  # another process (a second rank) got there first
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def join_run(run_dir: str, settings: RunSettings) -> dict:
     """Create run.json if this process is first, else check it matches; returns its contents."""
     try:
         os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
-        write_atomic(os.path.join(run_dir, ".write-probe"), "")
-        os.remove(os.path.join(run_dir, ".write-probe"))
+        probe = os.path.join(run_dir, f".write-probe-{uuid.uuid4().hex[:8]}")  # one per process: several join at once
+        write_atomic(probe, "")
+        os.remove(probe)
     except OSError as e:
         raise SystemExit(f"the run directory {run_dir} is not writable: {e}") from e
     path = os.path.join(run_dir, "run.json")

@@ -168,3 +168,21 @@ def test_presets_give_both_scripts_the_same_run_settings_and_flags_still_win():
     assert gen.engine == "vllm" and parse_config(RunSettings, TrainConfig, argv=["--preset", "r1-distill-1.5b"])[0].reasoning
     with pytest.raises(SystemExit, match="preset"):
         parse_config(RunSettings, TrainConfig, argv=["--preset", "nope"])
+
+
+def test_many_processes_can_join_a_run_at_once(tmp_path):
+    import threading
+    run, errors = str(tmp_path / "run"), []
+
+    def join():
+        try:
+            for _ in range(50):
+                join_run(run, RunSettings())
+        except SystemExit as e:  # e.g. a probe file another joiner removed first
+            errors.append(str(e))
+    threads = [threading.Thread(target=join) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
