@@ -1,17 +1,18 @@
 """generate.py: the generation side of minigrpo.
 
 Samples G completions per prompt with the newest published adapter, scores them with the task's reward, and
-drops each finished group into RUN/rollouts/ready/ for the trainer. It shares nothing with the trainer but the
+drops each finished group into RUN/rollouts/ for the trainer. It shares nothing with the trainer but the
 run directory:
   - it watches RUN/adapters/LATEST and loads a new version between batches (a batch finishes with the version
-    it started with, and every group is stamped with that version);
-  - it waits while ready/ holds --max_ready groups (backpressure), and logs how long it waited;
+    it started with, and every group is stamped with that version and the digest of its weights);
+  - it waits while --max_ready groups are waiting for the trainer (backpressure), and logs how long it waited;
   - it exits by itself when the trainer writes RUN/DONE.
-Start as many generators as you like on one run directory, on any machines that mount it.
+Start as many generators as you like on one run directory, on any machines that reach it.
 
     python generate.py & python train.py                                  # the demo, one CPU machine
-    python generate.py --run_dir /mnt/bucket/run1 --device cuda:0         # one generator per GPU, any machine
+    python generate.py --run_dir s3://bucket/run1 --device cuda:0         # one generator per GPU, any machine
     python generate.py --engine http --url http://127.0.0.1:8000 --api_key KEY   # through a server or proxy.py
+    python generate.py --engine http --replica_run_dir /mnt/bucket/run1 ...      # vllm serve replicas that mount it
     python generate.py --engine vllm --model Qwen/Qwen2.5-Math-1.5B ...          # vLLM in-process, one GPU
 
 Left out on purpose: prompt deduplication across generators (each samples its own prompts from its own seed)
@@ -21,6 +22,7 @@ import os
 import random
 import socket
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -33,27 +35,30 @@ from minigrpo.lora import inject_lora
 from minigrpo.model import load_model, pick_device, resolve_model, stop_token_ids
 from minigrpo.remote import HttpEngine, ServerError, VllmEngine
 from minigrpo.rollouts import Group, RolloutBuffer
-from minigrpo.run import Metrics, RunSettings, done_path, join_run, parse_config
+from minigrpo.run import Metrics, RunSettings, join_run, parse_config, read_json
+from minigrpo.storage import Storage
 from minigrpo.tasks import make_task, prompt_ids, score
 
 
 @dataclass
 class GenerateConfig:
-    run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory (folder, NFS, mounted bucket)"})
+    run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory: a folder or a URL "
+                                                                "(s3://bucket/prefix, gs://..., hf://buckets/...)"})
+    replica_run_dir: str = field(default="", metadata={"help": "--engine http: where the replicas see the run "
+                                 "directory (a vllm serve replica reads adapters from its own mount of the bucket)"})
     engine: str = field(default="torch", metadata={"help": "torch (built in, CPU or GPU) | http (a vLLM-compatible "
                                                            "server or proxy.py) | vllm (in-process, GPU)"})
     url: str = field(default="http://127.0.0.1:8000", metadata={"help": "--engine http: the server or proxy address"})
     api_key: str = field(default="", metadata={"help": "--engine http: the server's API key (or env MINIGRPO_API_KEY)"})
     max_inflight: int = field(default=64, metadata={"help": "--engine http: most requests in flight at once"})
-    max_staleness: int = field(default=4, metadata={"help": "http/vllm: unload adapter versions older than this (as train.py)"})
     generator_id: str = field(default="", metadata={"help": "names this generator's files; default host-pid"})
     prompts_per_batch: int = field(default=8, metadata={"help": "prompts sampled together; G completions each"})
-    max_ready: int = field(default=32, metadata={"help": "backpressure: wait while ready/ holds this many groups"})
+    max_ready: int = field(default=32, metadata={"help": "backpressure: wait while this many groups wait for the trainer"})
     seed: int = field(default=0, metadata={"help": "seed for prompts and sampling (mixed with generator_id)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
     dtype: str = field(default="float32", metadata={"help": "model weights: float32 | bfloat16 | float16"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the trainer)"})
-    poll_s: float = field(default=0.05, metadata={"help": "how often to look at LATEST, ready/ and DONE while waiting"})
+    poll_s: float = field(default=0.05, metadata={"help": "how often to look at LATEST, rollouts/ and DONE while waiting"})
     max_batches: int = field(default=0, metadata={"help": "stop after this many batches (0: until DONE)"})
     lockstep: bool = field(default=False, metadata={"help": "synchronous GRPO for comparison: sample only after the "
                                                              "trainer took the last batch and published a newer adapter"})
@@ -69,52 +74,58 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(run.model))
     if cfg.engine == "http":
         engine = HttpEngine(cfg.url, cfg.api_key or os.environ.get("MINIGRPO_API_KEY", ""), cfg.max_inflight,
-                            keep=cfg.max_staleness + 1)
+                            keep=run.max_staleness + 1)
         engine.wait_ready()
         return engine, tokenizer
     if cfg.engine == "vllm":
-        return VllmEngine(resolve_model(run.model), run.lora_r, keep=cfg.max_staleness + 1, seed=seed), tokenizer
+        return VllmEngine(resolve_model(run.model), run.lora_r, keep=run.max_staleness + 1, seed=seed), tokenizer
     raise SystemExit(f"unknown --engine {cfg.engine!r}; choose torch, http or vllm")
 
 
-def wait_for_room(buffer: RolloutBuffer, max_ready: int, done: str, poll_s: float, newer_than=None, store=None) -> float:
-    """Backpressure: block while ready/ is full (lock-step: until it is empty and a newer adapter is out).
+def waiting_groups(buffer: RolloutBuffer) -> int:
+    """Groups written but not yet consumed: objects in rollouts/ less those the trainer's lease says it took."""
+    return buffer.count() - ((read_json(buffer.storage, "owner.json") or {}).get("pending") or 0)
+
+
+def wait_for_room(buffer: RolloutBuffer, max_ready: int, poll_s: float, newer_than=None, store=None) -> float:
+    """Backpressure: block while max_ready groups wait (lock-step: until none waits and a newer adapter is out).
     Returns the seconds waited."""
-    t0 = time.time()
+    t0, storage = time.time(), buffer.storage
     if newer_than is not None:
-        while (buffer.count_ready() or store.latest()[0] <= newer_than) and not os.path.exists(done):
+        while (waiting_groups(buffer) > 0 or (store.latest() or 0) <= newer_than) and not storage.exists("DONE"):
             time.sleep(poll_s)
-    while buffer.count_ready() >= max_ready and not os.path.exists(done):
+    while waiting_groups(buffer) >= max_ready and not storage.exists("DONE"):
         time.sleep(poll_s)
     return time.time() - t0
 
 
-def wait_for_adapter(store: AdapterStore, done: str, poll_s: float):
-    """(version, path) named by LATEST; None if the run ended first. Waits for the trainer's first publish."""
+def wait_for_adapter(store: AdapterStore, poll_s: float) -> int | None:
+    """The version named by LATEST; None if the run ended first. Waits for the trainer's first publish."""
     t0, said = time.time(), False
-    while (latest := store.latest()) is None and not os.path.exists(done):
+    while (latest := store.latest()) is None and not store.storage.exists("DONE"):
         if not said and time.time() - t0 > 10:
-            print(f"waiting for the trainer to publish {store.root}/LATEST (is train.py running?)", flush=True)
+            print(f"waiting for the trainer to publish {store.storage.url('adapters/LATEST')} (is train.py running?)", flush=True)
             said = True
         time.sleep(poll_s)
-    return None if os.path.exists(done) else latest
+    return None if store.storage.exists("DONE") else latest
 
 
 # ---------------------------------------------------------------------------------------------------------------
 def main():
     run, cfg = parse_config(RunSettings, GenerateConfig)
     gen_id = cfg.generator_id or f"{socket.gethostname()}-{os.getpid()}"
-    done = done_path(cfg.run_dir)
-    if os.path.exists(done):
-        raise SystemExit(f"{cfg.run_dir} is a finished run ({done} exists): nothing to generate. "
+    writer = f"{gen_id}-{uuid.uuid4().hex[:4]}"  # this life's name: a restart never rewrites an old group
+    storage = Storage(cfg.run_dir)
+    if storage.exists("DONE"):
+        raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): nothing to generate. "
                          f"Delete it or pass another --run_dir to start a new run.")
-    join_run(cfg.run_dir, run)
+    meta = join_run(storage, run)
     torch.set_num_threads(cfg.threads)
     rng = random.Random(f"{cfg.seed}-{gen_id}")
     engine, tokenizer = make_engine(cfg, run, seed=rng.getrandbits(63))
     sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
-    task, buffer, store = make_task(run), RolloutBuffer(cfg.run_dir), AdapterStore(cfg.run_dir)
-    metrics = Metrics(cfg.run_dir, f"generate-{gen_id}")
+    task, buffer, store = make_task(run), RolloutBuffer(storage), AdapterStore(storage, meta["run_id"])
+    metrics = Metrics(storage, f"generate-{gen_id}")
     print(f"generator {gen_id} ({cfg.engine} engine): {cfg.prompts_per_batch} prompts x G={run.group_size} = "
           f"{cfg.prompts_per_batch * run.group_size} completions per batch\n  {asdict(run)}\n  {asdict(cfg)}", flush=True)
 
@@ -122,17 +133,20 @@ def main():
     skipped = set()  # adapter versions that could not be loaded
     while not cfg.max_batches or batch < cfg.max_batches:
         lockstep = engine.version if cfg.lockstep and batch else None
-        backpressure_s = wait_for_room(buffer, cfg.max_ready, done, cfg.poll_s, lockstep, store)
-        latest = wait_for_adapter(store, done, cfg.poll_s)
+        backpressure_s = wait_for_room(buffer, cfg.max_ready, cfg.poll_s, lockstep, store)
+        latest = wait_for_adapter(store, cfg.poll_s)
         if latest is None:
             break
         t0 = time.time()
-        if latest[0] != engine.version and latest[0] not in skipped:
+        if latest != engine.version and latest not in skipped:
+            path = store.url(latest)
+            if cfg.replica_run_dir:  # the same object, as the replicas see it
+                path = f"{cfg.replica_run_dir.rstrip('/')}/adapters/{store.name(latest)}"
             try:
-                engine.load_adapter(*latest)
+                engine.load_adapter(latest, path)
             except (OSError, ValueError, KeyError, SafetensorError) as e:  # incomplete or damaged: keep the old one
-                skipped.add(latest[0])
-                print(f"generator {gen_id}: cannot load {latest[1]} ({type(e).__name__}: {e}); "
+                skipped.add(latest)
+                print(f"generator {gen_id}: cannot load {path} ({type(e).__name__}: {e}); "
                       f"{'staying on version ' + str(engine.version) if engine.version is not None else 'waiting'}", flush=True)
         if engine.version is None:
             time.sleep(cfg.poll_s)
@@ -150,18 +164,18 @@ def main():
             buffer.write(Group(prompt_ids=prompt, completion_ids=[c.token_ids for c in group],
                                behavior_logprobs=[c.logprobs for c in group], rewards=r,
                                truncated=[c.finish_reason == "length" for c in group], policy_version=version,
-                               temperature=run.temperature, started_at=started, finished_at=time.time()),
-                         gen_id, seq=written)
+                               temperature=run.temperature, adapter_digest=group[0].adapter_digest,
+                               started_at=started, finished_at=time.time()), writer, seq=written)
             written += 1
         batch += 1
 
         # ---- log ----
         n_tok = sum(len(c.token_ids) for g in completions for c in g)
         flat = [x for r in rewards for x in r]
-        record = {"batch": batch, "policy_version": version, "reward/mean": sum(flat) / len(flat),
+        record = {"batch": batch, "generator": gen_id, "policy_version": version, "reward/mean": sum(flat) / len(flat),
                   "completions/mean_length": n_tok / len(flat), "rollout/generated_tok_s": n_tok / gen_s,
                   "rollout/backpressure_s": backpressure_s, "perf/weight_sync_s": sync_s, "perf/generate_s": gen_s,
-                  "sample/rollout_queue_size": buffer.count_ready(), "adapters_skipped": len(skipped), "time": time.time()}
+                  "sample/rollout_queue_size": waiting_groups(buffer), "adapters_skipped": len(skipped), "time": time.time()}
         metrics.log(record, f"gen {gen_id} batch {batch} | v{version} | reward {record['reward/mean']:.3f} | "
                             f"{record['rollout/generated_tok_s']:.0f} tok/s | backpressure {backpressure_s:.2f}s")
     if hasattr(engine, "close"):
@@ -174,6 +188,6 @@ if __name__ == "__main__":
         main()
     except ServerError as e:  # the server or proxy refused or stayed unreachable through every retry
         raise SystemExit(f"generate.py: {e}")
-    except OSError as e:  # a read-only or full run directory, a vanished mount: say so, keep what is written
-        raise SystemExit(f"generate.py: {type(e).__name__}: {e}\nEvery file it finished is intact (groups appear "
-                         f"whole or not at all); fix the problem and start it again.")
+    except OSError as e:  # a full disk, a refused bucket, a vanished mount: one line, keep what is written
+        raise SystemExit(f"generate.py: {e}\nEvery group it finished is intact (groups appear whole or not at "
+                         f"all); fix the problem and start it again.")

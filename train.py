@@ -1,13 +1,16 @@
 """train.py: the training side of minigrpo.
 
-Reads scored groups from RUN/rollouts/ready/, drops those more than --max_staleness adapter versions old,
+Reads scored groups from RUN/rollouts/, drops those more than --max_staleness adapter versions old,
 computes GRPO on the LoRA weights only, and publishes a new adapter version into RUN/adapters/ every
 --sync_every steps. It never talks to a generator: the run directory is the only thing they share.
 
     python generate.py & python train.py                # the demo on a laptop CPU, a few minutes
-    python train.py --run_dir /mnt/bucket/run1 ...      # any machine that mounts the run directory
+    python train.py --run_dir s3://bucket/run1 ...      # any machine that reaches the bucket (or a shared folder)
     torchrun --nproc_per_node 4 train.py ...            # data-parallel on 4 GPUs (rank 0 reads and publishes)
-    (killed? run the same command again: it resumes from the newest checkpoint in RUN/checkpoints/)
+    (killed? run the same command again: it resumes from the newest intact checkpoint in RUN/checkpoints/)
+
+One trainer owns a run (RUN/owner.json, a lease with a heartbeat): a second one refuses to start, and takes
+over once the owner's heartbeat is --lease_timeout_s old (at once if the owner died on this same host).
 
 Where it departs from the GRPO paper, on purpose:
   1. Asynchronous: old_logp is the generator's own log-prob of each token (the behaviour policy, TRL's
@@ -21,24 +24,27 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from minigrpo.adapters import AdapterStore
-from minigrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.grpo import advantages, combine_metrics, grpo_loss, overlong_penalty, zero_std_groups
 from minigrpo.lora import adapter_config, inject_lora, lora_disabled, lora_state_dict
 from minigrpo.model import enable_checkpointing, load_model, pick_device, resolve_model, sequence_logprobs, stop_token_ids
-from minigrpo.rollouts import RolloutBuffer, is_fresh, validator
-from minigrpo.run import Metrics, RunSettings, done_path, join_run, parse_config, write_atomic
+from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
+from minigrpo.run import Lease, Metrics, RunSettings, create_run, fault, parse_config
+from minigrpo.storage import Storage
 from minigrpo.tasks import make_task, prompt_ids, score
 
 
 @dataclass
 class TrainConfig:
-    run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory (folder, NFS, mounted bucket)"})
+    run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory: a folder or a URL "
+                                                                "(s3://bucket/prefix, gs://..., hf://buckets/...)"})
     max_steps: int = field(default=500, metadata={"help": "optimizer steps in the whole run"})
     groups_per_step: int = field(default=16, metadata={"help": "groups (prompts) per optimizer step; x G = completions"})
     lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate on the LoRA weights"})
@@ -52,7 +58,6 @@ class TrainConfig:
     tis_cap: float | None = field(default=None, metadata={"help": "truncated IS cap on pi_old/mu (default: 2 with recompute)"})
     is_mode: str = field(default="token_truncate", metadata={"help": "token_truncate | token_mask | seq_truncate | seq_mask"})
     overlong_cache: int = field(default=0, metadata={"help": "DAPO soft overlong penalty over the last N tokens (0: off)"})
-    max_staleness: int = field(default=4, metadata={"help": "drop groups more than this many versions old"})
     sync_every: int = field(default=1, metadata={"help": "publish a new adapter version every N steps"})
     save_every: int = field(default=25, metadata={"help": "checkpoint every N steps (resume point)"})
     eval_every: int = field(default=50, metadata={"help": "pass@1 on the held-out set every N steps, and at step 0"})
@@ -64,6 +69,10 @@ class TrainConfig:
     dtype: str = field(default="float32", metadata={"help": "base weights: float32 | bfloat16 | float16 (LoRA and loss stay float32)"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the generator)"})
     wait_timeout_s: float = field(default=600.0, metadata={"help": "fail if no rollout arrives for this long"})
+    lease_timeout_s: float = field(default=60.0, metadata={"help": "one trainer owns a run (RUN/owner.json); another "
+                                   "takes it over once its heartbeat is this old, or at once if it died on this host"})
+    allow_new_settings: bool = field(default=False, metadata={"help": "resume even if training settings (lr, "
+                                     "loss_type, ...) differ from the checkpoint's"})
 
     def __post_init__(self):
         if self.eps_high is None:
@@ -75,26 +84,26 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def take_batch(buffer, cfg, G, version, validate, stats):
-    """Block until cfg.groups_per_step fresh groups are claimed. Stale (and, for dapo, zero-std) groups are
-    claimed too, so a checkpoint deletes them, and counted in stats. Returns (groups, seconds waited)."""
+def take_batch(buffer, ledger, cfg, run, version, validate, stats):
+    """Block until cfg.groups_per_step fresh groups are taken. Stale (and, for dapo, zero-std) groups are taken
+    too, so that they are consumed once, and counted in stats. Returns (groups, seconds waited)."""
     t0, last_seen, groups = time.time(), time.time(), []
     while len(groups) < cfg.groups_per_step:
-        taken = buffer.take(cfg.groups_per_step - len(groups), validate)
+        taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
         for g in taken:
-            if not is_fresh(version, g.policy_version, cfg.max_staleness):
+            if not run.is_fresh(version, g.policy_version):
                 stats["dropped_stale_total"] += 1
-            elif cfg.loss_type == "dapo" and zero_std_groups(torch.tensor(g.rewards), G).item():
+            elif cfg.loss_type == "dapo" and zero_std_groups(torch.tensor(g.rewards), run.group_size).item():
                 stats["dropped_zero_std_total"] += 1
             else:
                 groups.append(g)
         if taken:
             last_seen = time.time()
         elif time.time() - last_seen > cfg.wait_timeout_s:
-            raise SystemExit(f"no rollouts arrived in {buffer.ready} for {cfg.wait_timeout_s:.0f}s: "
+            raise SystemExit(f"no rollouts arrived in {buffer.storage.url('rollouts')} for {cfg.wait_timeout_s:.0f}s: "
                              f"is generate.py running with --run_dir {cfg.run_dir}?")
         else:
-            time.sleep(0.02)
+            time.sleep(buffer.storage.poll_s)
     return groups, time.time() - t0
 
 
@@ -199,26 +208,58 @@ def share(obj, world: int):
 
 
 def evaluate(engine, tokenizer, task, problems, run, seed) -> float:
-    """pass@1 at the run's temperature on a fixed held-out set (the same sampling seed every time)."""
+    """pass@1 at the run's temperature on a fixed held-out set: problem i is sampled with seed + i, the same
+    draws at every evaluation, so successive evaluations differ only by the weights."""
     prompts = [prompt_ids(tokenizer, p.prompt, run.system_prompt) for p in problems]
-    completions = engine.generate(prompts, SamplingParams(max_tokens=run.max_new_tokens, temperature=run.temperature, seed=seed))
-    return sum(r[0] for r in score(task, tokenizer, problems, completions)) / len(problems)
+    params = [SamplingParams(max_tokens=run.max_new_tokens, temperature=run.temperature, seed=seed * 1_000_003 + i)
+              for i in range(len(prompts))]
+    return sum(r[0] for r in score(task, tokenizer, problems, engine.generate(prompts, params))) / len(problems)
 
 
-def publish(store, model, version, config, keep) -> float:
+def publish(store, model, version, config, run, step) -> float:
+    """Write adapter version `version`, then point LATEST at it. Returns the seconds it took."""
     t0 = time.time()
-    store.publish(version, lora_state_dict(model), config, keep)
+    store.write(version, lora_state_dict(model), config)
+    fault("before_latest", step)
+    store.set_latest(version, keep=run.max_staleness + 1)
     return time.time() - t0
+
+
+def check_settings(saved: dict, cfg) -> list[str]:
+    """Training settings a resume must keep (the math of the run); the others may change freely."""
+    free = {"run_dir", "max_steps", "save_every", "eval_every", "eval_size", "micro_batch_tokens", "device",
+            "threads", "wait_timeout_s", "lease_timeout_s", "allow_new_settings", "gradient_checkpointing"}
+    return [f"{k}: the checkpoint has {saved[k]!r}, this command has {v!r}" for k, v in asdict(cfg).items()
+            if k not in free and k in saved and saved[k] != v]
+
+
+def step_record(step, version, groups, staleness, rewards, lengths, m, stats, run, ledger, wait_s, fwd_bwd_s,
+                sync_s) -> dict:
+    """The step's metrics: one JSON record in RUN/metrics/train-*.jsonl and one console line."""
+    return {"step": step, "version": version, "loss": m["loss"], "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item(),
+            "frac_reward_zero_std": zero_std_groups(rewards, run.group_size).float().mean().item(),
+            "completions/mean_length": lengths.float().mean().item(),
+            "completions/truncated_frac": sum(t for g in groups for t in g.truncated) / len(lengths),
+            **{k: v for k, v in m.items() if k != "tokens"},
+            "sample/staleness_mean": sum(staleness) / len(staleness), "sample/staleness_max": max(staleness),
+            **{f"sample/{k}": v for k, v in stats.items()}, "sample/consumed_pending": ledger.pending(),
+            "perf/rollout_wait_s": wait_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s,
+            "group_ids": [g.group_id for g in groups]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 def main():
     run, cfg = parse_config(RunSettings, TrainConfig)
     rank, world = distributed()
-    if os.path.exists(done_path(cfg.run_dir)):
-        raise SystemExit(f"{cfg.run_dir} is a finished run ({done_path(cfg.run_dir)} exists). "
-                         f"Delete it (rm -r {cfg.run_dir}) or pass another --run_dir to start a new run.")
-    join_run(cfg.run_dir, run)
+    storage = Storage(cfg.run_dir)
+    if rank == 0 and storage.exists("DONE"):
+        raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists). "
+                         f"Delete it or pass another --run_dir to start a new run.")
+    lease = Lease(storage, cfg.lease_timeout_s) if rank == 0 else None  # the ranks of one job share rank 0's
+    if lease and (previous := lease.acquire()):
+        print(f"took over the run from trainer {previous.get('owner')} (host {previous.get('host')})", flush=True)
+    meta = create_run(storage, run) if rank == 0 else None
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -230,17 +271,24 @@ def main():
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
-    task, buffer, store = make_task(run), RolloutBuffer(cfg.run_dir), AdapterStore(cfg.run_dir)
+    task, buffer = make_task(run), RolloutBuffer(storage)
     eval_problems = task.eval_problems(cfg.eval_size)
     peft_config = adapter_config(run.lora_r, run.lora_alpha, run.lora_targets, resolve_model(run.model))
-    metrics = Metrics(cfg.run_dir, "train")
 
-    # ---- resume from the newest checkpoint, if any; groups claimed after it go back to ready/ ----
-    stats, step = {"dropped_stale_total": 0, "dropped_zero_std_total": 0}, 0
-    if (ckpt := latest_checkpoint(cfg.run_dir)) is not None:
-        state = load_checkpoint(ckpt, model, optimizer)
-        step, stats = state["step"], state["stats"]
-        print(f"resumed from {ckpt} (step {step})", flush=True)
+    # ---- resume from the newest intact checkpoint, if any ----
+    state, skipped = load_checkpoint(storage, model, optimizer)
+    for s in skipped:
+        print(f"skipped checkpoint {s}", flush=True)
+    if state is None and skipped:
+        raise SystemExit(f"no intact checkpoint in {storage.url('checkpoints')} (see above); restore one or start a "
+                         f"new run with another --run_dir")
+    if state and (changed := check_settings(state["config"], cfg)) and not cfg.allow_new_settings:
+        raise SystemExit("resuming with other training settings than the checkpoint's:\n  " + "\n  ".join(changed) +
+                         "\nuse the same flags, or pass --allow_new_settings true to change them on purpose")
+    step, stats = (state["step"], state["stats"]) if state else (0, {"dropped_stale_total": 0, "dropped_zero_std_total": 0,
+                                                                      "bad_total": 0, "attribution_mismatch": 0})
+    if state:
+        print(f"resumed from {storage.url(f'checkpoints/step-{step:06d}')} (step {step})", flush=True)
     if world > 1:
         for p in params:  # the same start on every rank
             dist.broadcast(p.data, src=0)
@@ -250,60 +298,63 @@ def main():
             train_step(model, optimizer, share(None, world), run, cfg, tokenizer.pad_token_id, device, rank, world)
         dist.destroy_process_group()
         return
-    restored = buffer.restore_claimed()
-    buffer.sweep_temps(max_age_s=300)  # half-written files of generators that were killed
+    ledger = Ledger(state and state["ledger"])
+    buffer.collect(ledger.collect)  # idempotent: a crash may have cut the last garbage collection short
+    store, metrics = AdapterStore(storage, meta["run_id"]), Metrics(storage, "train")
     # ---- publish first: version 0 is the untrained adapter, a resume publishes its weights under a new name ----
-    version = store.next_version()
-    publish(store, model, version, peft_config, keep=cfg.max_staleness + 1)
-    validate = validator(model.config.vocab_size, run.temperature, G, lambda: version)
+    version = store.next_version(at_least=state["version"] + 1 if state else 0)
+    publish(store, model, version, peft_config, run, step)
     adapter_mb = sum(p.numel() for p in params) * 4 / 2**20
     print(f"trainer on {device}: {cfg.groups_per_step} groups x G={G} = {cfg.groups_per_step * G} completions per "
-          f"step, {cfg.max_steps} steps, max_staleness {cfg.max_staleness}, adapter {adapter_mb:.2f} MB "
-          f"(published {store.path(version)}), {restored} claimed groups returned to ready/\n"
+          f"step, {cfg.max_steps} steps, max_staleness {run.max_staleness}, adapter {adapter_mb:.2f} MB "
+          f"(published {store.url(version)}), eval on {len(eval_problems)} held-out problems\n"
           f"  {asdict(run)}\n  {asdict(cfg)}", flush=True)
     if step == 0:
         acc = evaluate(engine, tokenizer, task, eval_problems, run, cfg.seed)
         metrics.log({"step": 0, "eval/accuracy": acc, "version": version, "time": time.time()},
-                    f"step 0/{cfg.max_steps} | eval/accuracy {acc:.3f}")
+                    f"step 0/{cfg.max_steps} | eval/accuracy {acc:.3f} (n={len(eval_problems)})")
 
     while step < cfg.max_steps:
         step += 1
         t0 = time.time()
-        groups, wait_s = take_batch(buffer, cfg, G, version, validate, stats)
-        staleness = [version - g.policy_version for g in groups]
+        lease.check()
+        validate = partial(check_group, run=meta, vocab_size=model.config.vocab_size, version=version,
+                           digest_of=store.digest)
+        groups, wait_s = take_batch(buffer, ledger, cfg, run, version, validate, stats)
+        staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains
         seqs, rewards, lengths = build_sequences(groups, run, cfg, G)
         t1 = time.time()
         m = train_step(model, optimizer, share(seqs, world), run, cfg, tokenizer.pad_token_id, device, 0, world)
         fwd_bwd_s, sync_s = time.time() - t1, 0.0
         if step % cfg.sync_every == 0:
             version += 1
-            sync_s = publish(store, model, version, peft_config, keep=cfg.max_staleness + 1)
-        if step % cfg.save_every == 0 or step == cfg.max_steps:
-            save_checkpoint(cfg.run_dir, step, lora_state_dict(model), peft_config, optimizer,
-                            {"stats": stats, "version": version, "run": asdict(run), "config": asdict(cfg)})
-            buffer.delete_claimed()  # the checkpoint now covers every group taken so far
-
-        record = {"step": step, "version": version, "loss": m["loss"], "reward/mean": rewards.mean().item(),
-                  "reward/std": rewards.std().item(), "frac_reward_zero_std": zero_std_groups(rewards, G).float().mean().item(),
-                  "completions/mean_length": lengths.float().mean().item(),
-                  "completions/truncated_frac": sum(t for g in groups for t in g.truncated) / len(seqs),
-                  **{k: v for k, v in m.items() if k != "tokens"},
-                  "sample/staleness_mean": sum(staleness) / len(staleness), "sample/staleness_max": max(staleness),
-                  **{f"sample/{k}": v for k, v in stats.items()}, "sample/bad_total": buffer.count_bad(),
-                  "sample/rollout_queue_size": buffer.count_ready(), "perf/rollout_wait_s": wait_s,
-                  "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s, "lr": cfg.lr,
-                  "group_ids": [g.group_id for g in groups]}
+            sync_s = publish(store, model, version, peft_config, run, step)
+        record = step_record(step, version, groups, staleness, rewards, lengths, m, stats, run, ledger, wait_s,
+                             fwd_bwd_s, sync_s)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             record["eval/accuracy"] = evaluate(engine, tokenizer, task, eval_problems, run, cfg.seed)
-        record["perf/step_s"] = time.time() - t0
-        record["time"] = time.time()
+        record |= {"sample/rollout_queue_size": max(0, buffer.count() - ledger.pending()),
+                   "perf/step_s": time.time() - t0, "lr": cfg.lr, "time": time.time()}
         acc = f" | eval/accuracy {record['eval/accuracy']:.3f}" if "eval/accuracy" in record else ""
+        # the record comes before the checkpoint that covers it: a redone step writes a newer one
         metrics.log(record, f"step {step}/{cfg.max_steps} | reward {record['reward/mean']:.3f} | "
                             f"ratio {m['ratio/mean']:.4f} | clip {m['clip_ratio/low']:.3f}/{m['clip_ratio/high']:.3f} | "
                             f"stale {record['sample/staleness_mean']:.1f} | v{version} | wait {wait_s:.2f}s | "
                             f"dt {record['perf/step_s']:.2f}s{acc}")
+        fault("after_metrics", step)
+        if step % cfg.save_every == 0 or step == cfg.max_steps:
+            save_checkpoint(storage, step, lora_state_dict(model), peft_config, optimizer,
+                            {"stats": stats, "version": version, "ledger": ledger.state(), "run": asdict(run),
+                             "config": asdict(cfg)})
+            fault("after_checkpoint", step)
+            ledger.advance()
+            buffer.collect(ledger.collect, fault_step=step)  # now covered by both kept checkpoints
+            prune_checkpoints(storage)
+        lease.write(step=step, version=version, pending=ledger.pending())
 
-    write_atomic(done_path(cfg.run_dir), f"finished at step {step}, version {version}\n")
+    storage.put("DONE", f"finished at step {step}, version {version}\n")
+    buffer.collect(ledger.consumed)  # nothing resumes a finished run: what the last checkpoint covers can go
+    lease.release()
     print(f"done: {cfg.run_dir} (DONE written)", flush=True)
     if world > 1:
         dist.destroy_process_group()
@@ -312,6 +363,6 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except OSError as e:  # a read-only or full run directory, a vanished mount: say so, keep what is written
-        raise SystemExit(f"train.py: {type(e).__name__}: {e}\nNothing complete was overwritten (adapters and "
-                         f"checkpoints appear whole or not at all); fix the problem and run the same command to resume.")
+    except OSError as e:  # a full disk, a refused bucket, a vanished mount: one line, keep what is written
+        raise SystemExit(f"train.py: {e}\nNothing complete was overwritten (every object appears whole or not at "
+                         f"all); fix the problem and run the same command to resume.")

@@ -1,61 +1,78 @@
 """Versioned adapter publishing and discovery: how new weights reach the generators without NCCL.
 
-    RUN/adapters/policy-v000000/   version 0, the untrained adapter (B = 0): exactly the base model
-    RUN/adapters/policy-v000001/   ... each a PEFT directory, written once under a temp name and renamed
-    RUN/adapters/LATEST            the name of the newest complete version, replaced after the directory exists
+    RUN/adapters/policy-<run id>-v000000/   version 0, the untrained adapter (B = 0): exactly the base model
+    RUN/adapters/policy-<run id>-v000001/   ... each a PEFT directory; adapter_model.safetensors is written last,
+                                            so a version is complete once it exists
+    RUN/adapters/LATEST                     the name of the newest complete version, replaced after its files
 
-A name always means one set of weights (vLLM keys its prefix cache by adapter name), so names are never reused,
-not even after a crash: a restarted trainer publishes one past the highest version on disk. The trainer keeps
-the newest max_staleness + 1 versions and deletes a directory one publish after it leaves that window, since a
-server may still re-read an evicted adapter from its path.
+A name always means one set of weights (vLLM keys its prefix cache by adapter name), so names carry the run id
+(two runs never share a name on one fleet of replicas) and are never reused, not even after a crash: a
+restarted trainer publishes one past the highest version it can find. The trainer keeps the newest
+max_staleness + 1 versions and deletes a directory one publish after it leaves that window, since a server may
+still re-read an evicted adapter from its path. The adapter's digest (the first 16 hex digits of the sha256 of
+its weights file) lets the trainer check that a sampler really used the version it claims.
 """
-import os
+import hashlib
 import re
-import shutil
 
-from minigrpo.lora import save_adapter
-from minigrpo.run import atomic_dir, remove_stale_temps, write_atomic
-
-NAME = re.compile(r"^policy-v(\d{6})$")
+from minigrpo.lora import adapter_files
 
 
-def adapter_name(version: int) -> str:
-    return f"policy-v{version:06d}"
+def digest(weights: bytes) -> str:
+    return hashlib.sha256(weights).hexdigest()[:16]
 
 
 class AdapterStore:
-    def __init__(self, run_dir: str):
-        self.root = os.path.abspath(os.path.join(run_dir, "adapters"))  # absolute: servers resolve it as given
-        os.makedirs(self.root, exist_ok=True)
+    def __init__(self, storage, run_id: str):
+        self.storage, self.run_id, self.digests = storage, run_id, {}
+        self.pattern = re.compile(rf"^policy-{re.escape(run_id)}-v(\d{{6,}})$")
 
-    def path(self, version: int) -> str:
-        return os.path.join(self.root, adapter_name(version))
+    def name(self, version: int) -> str:
+        return f"policy-{self.run_id}-v{version:06d}"
+
+    def url(self, version: int) -> str:
+        """Where a sampler loads the version from: a local path or a storage URL."""
+        return self.storage.url(f"adapters/{self.name(version)}")
 
     def versions(self) -> list[int]:
-        """Complete versions on disk (temp directories of an interrupted publish do not count)."""
-        return sorted(int(m.group(1)) for m in map(NAME.match, os.listdir(self.root)) if m)
+        """Versions listed under adapters/ (a listing may lag; next_version() does not rely on it alone)."""
+        return sorted(int(m.group(1)) for m in map(self.pattern.match, self.storage.list("adapters")) if m)
 
-    def latest(self) -> tuple[int, str] | None:
-        """(version, absolute path) named by LATEST, or None before the trainer's first publish."""
+    def latest(self) -> int | None:
+        """The version named by LATEST, or None before the trainer's first publish."""
         try:
-            with open(os.path.join(self.root, "LATEST")) as f:
-                m = NAME.match(f.read().strip())
+            m = self.pattern.match(self.storage.get("adapters/LATEST").decode().strip())
         except FileNotFoundError:
             return None
-        return (int(m.group(1)), self.path(int(m.group(1)))) if m else None
+        return int(m.group(1)) if m else None
 
-    def next_version(self) -> int:
-        """One past the highest version ever written, so no name is reused after a restart."""
-        remove_stale_temps(self.root)
-        return max(self.versions(), default=-1) + 1
+    def next_version(self, at_least: int = 0) -> int:
+        """One past the highest version ever written, so that no name is reused after a restart."""
+        v = max([at_least - 1, self.latest() or -1, *self.versions()]) + 1
+        while self.storage.exists(f"adapters/{self.name(v)}/adapter_config.json"):  # a listing that lagged
+            v += 1
+        return v
 
-    def publish(self, version: int, state: dict, config: dict, keep: int) -> str:
-        """Write the adapter directory, then point LATEST at it, then prune versions that left the window."""
-        path = self.path(version)
-        with atomic_dir(path) as tmp:
-            save_adapter(tmp, state, config)
-        write_atomic(os.path.join(self.root, "LATEST"), adapter_name(version) + "\n")
+    def write(self, version: int, state: dict, config: dict):
+        """A version's files, the weights last. Nobody loads it until set_latest() names it."""
+        files = adapter_files(state, config)
+        for file, data in files.items():
+            self.storage.put(f"adapters/{self.name(version)}/{file}", data)
+        self.digests[version] = digest(files["adapter_model.safetensors"])
+
+    def set_latest(self, version: int, keep: int):
+        """Point LATEST at a written version, then delete versions that left the window one publish ago."""
+        self.storage.put("adapters/LATEST", self.name(version) + "\n")
         for old in self.versions():
             if old < version - keep:  # named until version - keep + 1; one publish of grace after that
-                shutil.rmtree(self.path(old), ignore_errors=True)
-        return path
+                self.storage.delete(f"adapters/{self.name(old)}", recursive=True)
+                self.digests.pop(old, None)
+
+    def digest(self, version: int) -> str:
+        """The digest of a version's weights ("" if it is gone), computed once."""
+        if version not in self.digests:
+            try:
+                self.digests[version] = digest(self.storage.get(f"adapters/{self.name(version)}/adapter_model.safetensors"))
+            except FileNotFoundError:
+                return ""
+        return self.digests[version]

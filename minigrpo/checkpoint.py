@@ -1,57 +1,75 @@
 """Trainer checkpoints, for resuming after preemption: RUN/checkpoints/step-NNNNNN/ holds
 
-    adapter/             the LoRA weights (PEFT format, like a published adapter)
-    optimizer.pt         AdamW state and the torch RNG state
-    trainer_state.json   step, counters and the resolved configuration
+    adapter_config.json, adapter_model.safetensors   the LoRA weights (PEFT format, like a published adapter)
+    optimizer.pt                                     AdamW state and the torch RNG state
+    trainer_state.json                               step, version, counters, the ledger of consumed groups,
+                                                     the resolved configuration
+    MANIFEST                                         written last: each file's sha256
 
-Each checkpoint directory appears whole (temp name, then rename). Groups used by the covered steps are deleted
-only after it exists, and groups claimed later go back to ready/ on resume: each group is trained once.
+A checkpoint without its MANIFEST does not exist. Loading checks every file against it, and resume falls back to
+the previous checkpoint when the newest is damaged, naming what it skipped. The newest two are kept.
 """
+import hashlib
+import io
 import json
-import os
 import re
-import shutil
 
 import torch
+from safetensors.torch import load
 
-from minigrpo.lora import load_adapter, save_adapter
-from minigrpo.run import atomic_dir, remove_stale_temps
+from minigrpo.lora import adapter_files, load_lora_state_dict
 
-NAME = re.compile(r"^step-(\d{6})$")
-
-
-def checkpoint_dir(run_dir: str) -> str:
-    path = os.path.join(run_dir, "checkpoints")
-    os.makedirs(path, exist_ok=True)
-    return path
+NAME = re.compile(r"^step-(\d{6,})$")
+KEEP = 2
 
 
-def save_checkpoint(run_dir: str, step: int, model_state: dict, adapter_config: dict, optimizer, state: dict,
-                    keep: int = 2) -> str:
-    root = checkpoint_dir(run_dir)
-    path = os.path.join(root, f"step-{step:06d}")
-    with atomic_dir(path) as tmp:
-        save_adapter(os.path.join(tmp, "adapter"), model_state, adapter_config)
-        torch.save({"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}, os.path.join(tmp, "optimizer.pt"))
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(state | {"step": step}, f, indent=2)
-    for old in sorted(s for s in os.listdir(root) if NAME.match(s))[:-keep]:
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    return path
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
-def latest_checkpoint(run_dir: str) -> str | None:
-    root = checkpoint_dir(run_dir)
-    remove_stale_temps(root)
-    steps = sorted(s for s in os.listdir(root) if NAME.match(s))
-    return os.path.join(root, steps[-1]) if steps else None
+def save_checkpoint(storage, step: int, model_state: dict, adapter_config: dict, optimizer, state: dict) -> str:
+    key = f"checkpoints/step-{step:06d}"
+    storage.delete(key, recursive=True)  # what an earlier life left without a MANIFEST
+    blob = io.BytesIO()
+    torch.save({"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}, blob)
+    files = adapter_files(model_state, adapter_config) | {"optimizer.pt": blob.getvalue(),
+                                                          "trainer_state.json": json.dumps(state | {"step": step}).encode()}
+    for name, data in files.items():
+        storage.put(f"{key}/{name}", data)
+    storage.put(f"{key}/MANIFEST", json.dumps({name: sha256(data) for name, data in files.items()}, indent=1))
+    return storage.url(key)
 
 
-def load_checkpoint(path: str, model, optimizer) -> dict:
-    """Restore the LoRA weights, optimizer and RNG into place; returns the trainer state."""
-    load_adapter(model, os.path.join(path, "adapter"))
-    blob = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
-    optimizer.load_state_dict(blob["optimizer"])
-    torch.set_rng_state(blob["rng"])
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        return json.load(f)
+def prune_checkpoints(storage):
+    """Keep the newest KEEP complete checkpoints (and anything newer, e.g. one being written)."""
+    steps = [s for s in storage.list("checkpoints") if NAME.match(s)]
+    complete = [s for s in steps if storage.exists(f"checkpoints/{s}/MANIFEST")]
+    for s in steps:
+        if complete[-KEEP:] and s < complete[-KEEP:][0]:
+            storage.delete(f"checkpoints/{s}", recursive=True)
+
+
+def load_checkpoint(storage, model, optimizer) -> tuple[dict | None, list[str]]:
+    """Restore the newest intact checkpoint into place: (trainer state or None, what was skipped and why)."""
+    skipped = []
+    for s in sorted((s for s in storage.list("checkpoints") if NAME.match(s)), reverse=True):
+        key = f"checkpoints/{s}"
+        try:
+            manifest = json.loads(storage.get(f"{key}/MANIFEST"))
+        except FileNotFoundError:
+            skipped.append(f"{s}: incomplete (no MANIFEST)")
+            continue
+        try:
+            files = {name: storage.get(f"{key}/{name}") for name in manifest}
+            bad = [name for name, data in files.items() if sha256(data) != manifest[name]]
+            if bad:
+                raise ValueError(f"{', '.join(bad)} do not match the MANIFEST")
+            blob = torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True)
+            state = json.loads(files["trainer_state.json"])
+            load_lora_state_dict(model, load(files["adapter_model.safetensors"]))
+            optimizer.load_state_dict(blob["optimizer"])
+            torch.set_rng_state(blob["rng"])
+            return state, skipped
+        except (ValueError, KeyError, RuntimeError, FileNotFoundError) as e:
+            skipped.append(f"{s}: damaged ({type(e).__name__}: {e})")
+    return None, skipped

@@ -34,6 +34,7 @@ class Completion:
     logprobs: list[float]  # behaviour log-prob of each sampled token
     finish_reason: str  # "stop" (a stop token was sampled) or "length" (hit max_tokens)
     top_logprobs: list[dict] | None = None  # per token {token_id: logprob} of the top alternatives, when asked
+    adapter_digest: str = ""  # digest of the adapter weights that sampled it, when the sampler knows it
 
 
 def nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

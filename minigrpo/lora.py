@@ -11,7 +11,9 @@ import os
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
+
+from minigrpo.storage import read_bytes
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
@@ -147,27 +149,36 @@ def adapter_config(r: int, alpha: float, targets, base_model: str) -> dict:
             "modules_to_save": None, "init_lora_weights": True, "inference_mode": True}
 
 
-def save_adapter(path: str, state: dict[str, torch.Tensor], config: dict):
-    """Write a PEFT adapter directory. The caller makes it atomic (write to a temp dir, then rename)."""
-    os.makedirs(path, exist_ok=True)
+def adapter_files(state: dict[str, torch.Tensor], config: dict) -> dict[str, bytes]:
+    """A PEFT adapter directory as {file name: bytes}, the weights last: a version is complete once they exist."""
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    return {"adapter_config.json": json.dumps(config, indent=2).encode(),
+            "adapter_model.safetensors": save(tensors, metadata={"format": "pt"})}
+
+
+def save_adapter(path: str, state: dict[str, torch.Tensor], config: dict):
+    """Write a PEFT adapter directory on a local disk (the run directory's adapters go through storage.py)."""
+    os.makedirs(path, exist_ok=True)
+    for name, data in adapter_files(state, config).items():
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
 
 
 def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read (config, tensors) of a PEFT adapter directory, with errors that name the directory."""
-    config_path, weights_path = (os.path.join(path, f) for f in ("adapter_config.json", "adapter_model.safetensors"))
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"no adapter found in {path}: adapter_config.json is missing")
-    if not os.path.isfile(weights_path):
-        raise FileNotFoundError(f"adapter {path} has no adapter_model.safetensors")
-    with open(config_path) as f:
-        config = json.load(f)
+    """Read (config, tensors) of a PEFT adapter directory (a local path or a storage URL), with errors that
+    name the directory."""
+    path = path.rstrip("/")
+    try:
+        config = json.loads(read_bytes(f"{path}/adapter_config.json"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no adapter found in {path}: adapter_config.json is missing") from None
+    try:
+        weights = read_bytes(f"{path}/adapter_model.safetensors")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"adapter {path} has no adapter_model.safetensors") from None
     if config.get("use_dora") or config.get("bias", "none") != "none" or config.get("use_rslora"):
         raise ValueError(f"adapter {path}: only plain LoRA is supported (no DoRA, bias or rsLoRA)")
-    return config, load_file(weights_path)
+    return config, load(weights)
 
 
 def load_adapter(model: nn.Module, path: str):

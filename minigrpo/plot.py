@@ -1,6 +1,6 @@
 """A picture of a run: the dashboard to read when a run learns slowly or one side waits on the other.
 
-    python -m minigrpo.plot runs/demo                  # writes runs/demo/dashboard.png
+    python -m minigrpo.plot runs/demo                  # writes ./dashboard.png (RUN may be a URL too)
 
 Panels: reward and eval accuracy; the policy ratio and clip fractions; staleness and what was dropped; where each
 step's time went (forward+backward, waiting for rollouts, weight sync); the rollout queue against the generators'
@@ -8,8 +8,6 @@ backpressure (a full queue with backpressure: the trainer is the bottleneck; an 
 generators are); entropy and completion length.
 """
 import argparse
-import glob
-import json
 import os
 
 import matplotlib
@@ -18,25 +16,19 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def read_jsonl(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def train_records(run_dir: str) -> list[dict]:
-    """The records that stand: a step re-run after a resume supersedes the earlier record of that step."""
-    by_step = {r["step"]: r for r in read_jsonl(os.path.join(run_dir, "metrics", "train.jsonl"))}
-    return [by_step[s] for s in sorted(by_step)]
+from minigrpo.run import latest_per_step, read_records  # noqa: E402
+from minigrpo.storage import Storage  # noqa: E402
 
 
 def plot_run(run_dir: str, out: str) -> str:
-    train = train_records(run_dir)
+    storage = Storage(run_dir)
+    by_step = latest_per_step(read_records(storage, "train"))  # a step redone after a resume: the last record
+    train = [by_step[s] for s in sorted(by_step)]
     steps = [r for r in train if r["step"] > 0]
     x = [r["step"] for r in steps]
     col = lambda key: [r.get(key, float("nan")) for r in steps]
     fig, ax = plt.subplots(2, 3, figsize=(16, 8.5))
-    fig.suptitle(f"minigrpo run {os.path.abspath(run_dir)}")
+    fig.suptitle(f"minigrpo run {run_dir}")
 
     a = ax[0, 0]
     a.plot(x, col("reward/mean"), lw=0.8, alpha=0.6, label="reward/mean (train batch)")
@@ -67,18 +59,18 @@ def plot_run(run_dir: str, out: str) -> str:
     a.set_title("where a step's time goes (s)")
 
     a = ax[1, 1]
-    a.plot(x, col("sample/rollout_queue_size"), label="groups waiting in ready/")
-    gens = sorted(glob.glob(os.path.join(run_dir, "metrics", "generate-*.jsonl")))
+    a.plot(x, col("sample/rollout_queue_size"), label="groups waiting for the trainer")
+    gens = read_records(storage, "generate-")
     t0 = steps[0]["time"] if steps else 0
     b = a.twinx()
-    for path in gens:  # cumulative backpressure against wall time, mapped onto the step axis
-        g = [r for r in read_jsonl(path) if r["time"] >= t0]
+    for name in sorted({r.get("generator", "") for r in gens}):  # cumulative backpressure against wall time
+        g = [r for r in gens if r.get("generator", "") == name and r["time"] >= t0]
         total, cum = 0.0, []
         for r in g:
             total += r["rollout/backpressure_s"]
             cum.append(total)
         at = np.interp([r["time"] for r in g], [r["time"] for r in steps], x)  # wall time -> step axis
-        b.plot(at, cum, color="C3", lw=0.8, label=f"backpressure s (cum.) {os.path.basename(path)[9:-6]}")
+        b.plot(at, cum, color="C3", lw=0.8, label=f"backpressure s (cum.) {name}")
     b.legend(loc="lower right", fontsize=8)
     a.set_title("rollout queue against generator backpressure")
 
@@ -102,9 +94,9 @@ def plot_run(run_dir: str, out: str) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
-    parser.add_argument("--out", default=None, help="PNG path (default RUN/dashboard.png)")
+    parser.add_argument("--out", default=None, help="PNG path (default ./dashboard.png)")
     args = parser.parse_args()
-    print(plot_run(args.run_dir, args.out or os.path.join(args.run_dir, "dashboard.png")))
+    print(plot_run(args.run_dir, args.out or "dashboard.png"))
 
 
 if __name__ == "__main__":

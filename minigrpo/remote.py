@@ -12,7 +12,6 @@ import os
 
 import aiohttp
 
-from minigrpo.adapters import adapter_name
 from minigrpo.engine import Completion, SamplingParams
 
 RETRY_STATUS = (500, 502, 503, 504)
@@ -23,6 +22,11 @@ class ServerError(RuntimeError):
     pass
 
 
+def name_and_path(path: str) -> tuple[str, str]:
+    """An adapter directory's served name (its last path component) and its path as a server must get it."""
+    return path.rstrip("/").rsplit("/", 1)[-1], path if "://" in path else os.path.abspath(path)
+
+
 class HttpEngine:
     def __init__(self, url: str, api_key: str = "", max_inflight: int = 64, keep: int = 5, retries: int = 6,
                  timeout_s: float = 600.0):
@@ -31,7 +35,7 @@ class HttpEngine:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
         self.inflight = asyncio.Semaphore(max_inflight)
-        self.session, self.version, self.path, self.loaded = None, None, None, []
+        self.session, self.version, self.path, self.loaded, self.names = None, None, None, [], {}
 
     async def _call(self, method: str, path: str, body=None) -> tuple[int, str, dict | None]:
         """(status, text, json or None), retrying transport errors and 5xx with backoff 0.5, 1, 2, ... 8 s."""
@@ -67,23 +71,24 @@ class HttpEngine:
         self.loop.run_until_complete(poll())
 
     async def _load(self, version: int, path: str):
-        status, text, _ = await self._call("POST", "/v1/load_lora_adapter",
-                                           {"lora_name": adapter_name(version), "lora_path": os.path.abspath(path)})
+        name, path = name_and_path(path)
+        self.names[version] = name
+        status, text, _ = await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
         if status != 200 and not (status == 400 and "already been loaded" in text):  # another generator was first
-            raise ServerError(f"{self.url} refused to load {adapter_name(version)} from {path}: {status} {text[:300]}")
+            raise ServerError(f"{self.url} refused to load {name} from {path}: {status} {text[:300]}")
 
     def load_adapter(self, version: int, path: str):
         async def load():
             await self._load(version, path)
             self.loaded.append(version)
             for old in [v for v in self.loaded if v <= version - self.keep]:  # left the staleness window
-                await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": adapter_name(old)})  # 404: fine
+                await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": self.names.pop(old)})  # 404: fine
                 self.loaded.remove(old)
         self.loop.run_until_complete(load())
         self.version, self.path = version, path
 
     async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
-        body = {"model": adapter_name(self.version), "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens,
+        body = {"model": self.names[self.version], "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens,
                 "temperature": sp.temperature, "top_p": sp.top_p, "top_k": 0, "logprobs": 0,
                 "stop_token_ids": list(sp.stop_token_ids), "return_token_ids": True}
         if sp.seed is not None:  # without one, the server samples from its own generator
@@ -125,7 +130,8 @@ class VllmEngine:
 
     def load_adapter(self, version: int, path: str):
         from vllm.lora.request import LoRARequest
-        request = LoRARequest(adapter_name(version), version + 1, os.path.abspath(path))  # int ids start at 1
+        name, path = name_and_path(path)
+        request = LoRARequest(name, version + 1, path)  # int ids start at 1
         self.llm.llm_engine.add_lora(request)
         self.requests[version], self.version = request, version
         for old in [v for v in self.requests if v <= version - self.keep]:

@@ -1,26 +1,28 @@
-"""The rollout record and the file-based rollout buffer: the only data that flows from generators to the trainer.
+"""The rollout record and the rollout buffer: the only data that flows from generators to the trainer.
 
-One group (G completions of one prompt, all sampled with one adapter version) is one safetensors file:
-tensors for the ids and log-probs, string metadata for the rest. Its life in RUN/rollouts/:
+One group (G completions of one prompt, all sampled with one adapter version) is one safetensors object,
+RUN/rollouts/<writer>-<seq>.safetensors: tensors for the ids and log-probs, string metadata for the rest.
+<writer> is the generator id plus a random suffix for this life of the process and <seq> counts its groups,
+so no two writers ever use one name. A group is written once and never moved; it is read once:
 
-    ready/     written by a generator (temp name, then os.replace: a reader never sees half a file)
-    claimed/   moved here by the trainer when it takes the group (os.rename: two trainers cannot take one file)
-    (deleted)  once a checkpoint covers the step that used it; on resume, claimed/ goes back to ready/
-    bad/       a file that could not be read or failed validation, with <name>.reason.txt beside it
-
-File names start with the write time in nanoseconds, so sorting them is FIFO.
+  - the trainer records what it consumed (the Ledger, saved in every checkpoint), not by moving files;
+  - a group is deleted only once two complete checkpoints cover it, so resuming from either never needs it
+    again (garbage collection, idempotent: a resume repeats it);
+  - a group that cannot be read or validated is copied to RUN/bad/ with <id>.reason.txt and never trained.
 """
+import json
 import math
-import os
-import time
+import struct
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from safetensors import safe_open
+from safetensors.torch import load, save
+
+from minigrpo.run import fault
 
 FORMAT = "minigrpo.group.v1"
+INTS = (torch.int64, torch.int32)
+FLOATS = (torch.float32,)
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Group:
     truncated: list[bool]  # hit max_new_tokens without a stop token
     policy_version: int  # adapter version the whole group was sampled with, stamped when sampling started
     temperature: float
+    adapter_digest: str = ""  # digest of the adapter's weights as the sampler reported it ("" if it cannot)
     group_id: str = ""  # set when written: the file name without .safetensors
     generator_id: str = ""
     started_at: float = 0.0
@@ -53,6 +56,7 @@ def to_tensors(group: Group) -> tuple[dict, dict]:
                "behavior_logprobs": logps, "rewards": torch.tensor(group.rewards, dtype=torch.float32),
                "truncated": torch.tensor(group.truncated, dtype=torch.bool)}
     metadata = {"format": FORMAT, "policy_version": str(group.policy_version), "temperature": repr(group.temperature),
+                "adapter_digest": group.adapter_digest,
                 "generator_id": group.generator_id, "started_at": repr(group.started_at),
                 "finished_at": repr(group.finished_at)}
     return tensors, metadata
@@ -65,6 +69,10 @@ def from_tensors(tensors: dict, metadata: dict, group_id: str) -> Group:
     missing = {"prompt_ids", "completion_ids", "completion_lens", "behavior_logprobs", "rewards", "truncated"} - tensors.keys()
     if missing:
         raise ValueError(f"missing tensors {sorted(missing)}")
+    for name, kinds in (("prompt_ids", INTS), ("completion_ids", INTS), ("completion_lens", INTS),
+                        ("behavior_logprobs", FLOATS), ("rewards", FLOATS), ("truncated", (torch.bool,))):
+        if tensors[name].dtype not in kinds:
+            raise ValueError(f"{name} has dtype {tensors[name].dtype}, expected one of {[str(k) for k in kinds]}")
     ids, lens, logps = tensors["completion_ids"], tensors["completion_lens"], tensors["behavior_logprobs"]
     G = lens.numel()
     if ids.dim() != 2 or ids.shape != logps.shape or ids.shape[0] != G or tensors["rewards"].shape != (G,) \
@@ -73,119 +81,162 @@ def from_tensors(tensors: dict, metadata: dict, group_id: str) -> Group:
                          f"{tuple(logps.shape)}, completion_lens {tuple(lens.shape)}, rewards {tuple(tensors['rewards'].shape)}")
     if G == 0 or lens.min() < 1 or lens.max() > ids.shape[1]:
         raise ValueError(f"completion lengths {lens.tolist()} do not fit {ids.shape[1]} columns")
-    if not torch.isfinite(logps).all() or logps.max() > 1e-4 or not torch.isfinite(tensors["rewards"]).all():
-        raise ValueError("behavior_logprobs must be finite and <= 0, rewards finite")
+    if not torch.isfinite(logps).all() or logps.max() > 1e-4:
+        raise ValueError("behavior_logprobs must be finite and <= 0")
+    if not torch.isfinite(tensors["rewards"]).all():
+        raise ValueError("rewards must be finite")
     lens = lens.tolist()
     return Group(prompt_ids=tensors["prompt_ids"].tolist(),
                  completion_ids=[row[:k] for row, k in zip(ids.tolist(), lens)],
                  behavior_logprobs=[row[:k] for row, k in zip(logps.tolist(), lens)],
                  rewards=tensors["rewards"].tolist(), truncated=tensors["truncated"].tolist(),
                  policy_version=int(metadata["policy_version"]), temperature=float(metadata["temperature"]),
-                 group_id=group_id, generator_id=metadata.get("generator_id", ""),
+                 adapter_digest=metadata.get("adapter_digest", ""), group_id=group_id, generator_id=metadata.get("generator_id", ""),
                  started_at=float(metadata.get("started_at", 0)), finished_at=float(metadata.get("finished_at", 0)))
 
 
-def read_group(path: str) -> Group:
-    with safe_open(path, "pt") as f:
-        metadata = f.metadata() or {}
-    return from_tensors(load_file(path), metadata, os.path.basename(path).removesuffix(".safetensors"))
+def read_group(data: bytes, group_id: str) -> Group:
+    n = struct.unpack("<Q", data[:8])[0]  # safetensors: the header's length in 8 bytes, then the JSON header
+    return from_tensors(load(data), json.loads(data[8:8 + n]).get("__metadata__") or {}, group_id)
 
 
-def is_fresh(trainer_version: int, policy_version: int, max_staleness: int) -> bool:
-    """Keep a group unless it is more than max_staleness versions behind (strict >, as TRL drops)."""
-    return trainer_version - policy_version <= max_staleness
+def group_key(group_id: str) -> str:
+    return f"rollouts/{group_id}.safetensors"
+
+
+def compact(ids) -> dict[str, list[list[int]]]:
+    """Group ids as {writer: [[first_seq, last_seq], ...]}: a few numbers per generator instead of a list."""
+    out = {}
+    for writer, seq in sorted((i.rsplit("-", 1)[0], int(i.rsplit("-", 1)[1])) for i in ids):
+        runs = out.setdefault(writer, [])
+        if runs and runs[-1][1] == seq - 1:
+            runs[-1][1] = seq
+        else:
+            runs.append([seq, seq])
+    return out
+
+
+def expand(runs: dict[str, list[list[int]]]) -> set[str]:
+    return {f"{writer}-{seq:06d}" for writer, rs in runs.items() for a, b in rs for seq in range(a, b + 1)}
+
+
+class Ledger:
+    """What the trainer has consumed, by group id. A checkpoint saves two sets: `collect`, consumed before
+    the previous checkpoint (safe to delete once this checkpoint is complete: every checkpoint a resume can
+    pick covers them), and `consumed`, consumed since. `taken` is this life's, since the last checkpoint."""
+
+    def __init__(self, state: dict | None = None):
+        state = state or {}
+        self.collect, self.consumed = expand(state.get("collect", {})), expand(state.get("consumed", {}))
+        self.taken, self.skip = set(), self.collect | self.consumed
+
+    def take(self, group_id: str):
+        self.taken.add(group_id)
+        self.skip.add(group_id)
+
+    def state(self) -> dict:
+        """What the next checkpoint records; after it is complete, call advance()."""
+        return {"collect": compact(self.consumed), "consumed": compact(self.taken)}
+
+    def advance(self):
+        self.collect, self.consumed, self.taken = self.consumed, self.taken, set()
+
+    def pending(self) -> int:
+        """Consumed groups that may still sit in rollouts/ (generators subtract them from what they see)."""
+        return len(self.consumed) + len(self.taken)
 
 
 class RolloutBuffer:
-    def __init__(self, run_dir: str):
-        self.root = os.path.join(run_dir, "rollouts")
-        self.ready, self.claimed, self.bad = (os.path.join(self.root, d) for d in ("ready", "claimed", "bad"))
-        for d in (self.ready, self.claimed, self.bad):
-            os.makedirs(d, exist_ok=True)
+    def __init__(self, storage):
+        self.storage, self.order = storage, {}  # order: group ids in the order first seen (FIFO)
 
     # ---- generator side ----
-    def write(self, group: Group, generator_id: str, seq: int) -> str:
-        """Atomically add one finished group to ready/; returns its group id."""
-        group_id = f"{time.time_ns():020d}-{generator_id}-{seq:06d}"
-        group.group_id, group.generator_id = group_id, generator_id
+    def write(self, group: Group, writer: str, seq: int) -> str:
+        """Add one finished group as one object; returns its group id."""
+        group.group_id, group.generator_id = f"{writer}-{seq:06d}", writer
         tensors, metadata = to_tensors(group)
-        final = os.path.join(self.ready, group_id + ".safetensors")
-        tmp = os.path.join(self.ready, f".{group_id}.tmp")
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-            os.replace(tmp, final)
-        except OSError as e:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise OSError(e.errno, f"cannot write a rollout group into {self.ready}: {e.strerror or e}") from e
-        return group_id
+        self.storage.put(group_key(group.group_id), save(tensors, metadata=metadata))
+        return group.group_id
 
-    def sweep_temps(self, max_age_s: float):
-        """Delete temp files older than max_age_s: left by generators killed mid-write (younger ones may be live)."""
-        now = time.time()
-        for name in os.listdir(self.ready):
-            path = os.path.join(self.ready, name)
-            if name.startswith(".") and name.endswith(".tmp") and now - os.path.getmtime(path) > max_age_s:
-                os.remove(path)
-
-    def count_ready(self) -> int:
-        return sum(1 for n in os.listdir(self.ready) if n.endswith(".safetensors"))
+    def count(self) -> int:
+        """Objects in rollouts/, consumed or not (the trainer publishes how many of them it consumed)."""
+        return sum(1 for n in self.storage.list("rollouts") if n.endswith(".safetensors"))
 
     # ---- trainer side ----
-    def take(self, n: int, validate=None) -> list[Group]:
-        """Claim up to n of the oldest ready groups (FIFO). Unreadable or invalid ones go to bad/ instead."""
+    def take(self, n: int, ledger: Ledger, validate=None, stats=None) -> list[Group]:
+        """Up to n of the oldest groups the ledger has not seen, each recorded in it. A group that cannot be
+        read or validated, for any reason, is quarantined (counted in stats) and the trainer goes on."""
+        stats = {} if stats is None else stats
+        seen = [n.removesuffix(".safetensors") for n in self.storage.list("rollouts") if n.endswith(".safetensors")]
+        for gid in sorted(seen, key=lambda i: (int(i.rsplit("-", 1)[-1]), i)):  # new ones: by sequence number
+            if gid not in ledger.skip:
+                self.order.setdefault(gid, None)
         groups = []
-        for name in sorted(f for f in os.listdir(self.ready) if f.endswith(".safetensors")):
+        for gid in list(self.order):
             if len(groups) == n:
                 break
-            path = os.path.join(self.claimed, name)
-            try:
-                os.rename(os.path.join(self.ready, name), path)
-            except FileNotFoundError:  # another trainer took it first
+            del self.order[gid]
+            if gid in ledger.skip:
                 continue
             try:
-                group = read_group(path)
+                data = self.storage.get(group_key(gid))
+            except FileNotFoundError:  # a listing that lags a delete
+                continue
+            except ValueError as e:  # not a regular file
+                self.quarantine(gid, None, str(e), stats)
+                continue
+            try:
+                group = read_group(data, gid)
                 if validate:
                     validate(group)
-            except (OSError, ValueError, KeyError, SafetensorError) as e:
-                self.quarantine(path, f"{type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001 - nothing in a group file may stop the trainer
+                self.quarantine(gid, data, f"{type(e).__name__}: {e}", stats)
+                stats["attribution_mismatch"] = stats.get("attribution_mismatch", 0) + isinstance(e, AttributionError)
                 continue
+            ledger.take(gid)
             groups.append(group)
         return groups
 
-    def quarantine(self, path: str, reason: str):
-        name = os.path.basename(path)
-        os.replace(path, os.path.join(self.bad, name))
-        with open(os.path.join(self.bad, name + ".reason.txt"), "w") as f:
-            f.write(reason + "\n")
-        print(f"[rollouts] quarantined {name}: {reason}", flush=True)
+    def quarantine(self, group_id: str, data: bytes | None, reason: str, stats: dict):
+        """Keep the evidence in bad/, then remove the group from rollouts/ (it is never read again)."""
+        stats["bad_total"] = stats.get("bad_total", 0) + 1
+        self.storage.put(f"bad/{group_id}.reason.txt", reason + "\n")
+        if data is not None:
+            self.storage.put(f"bad/{group_id}.safetensors", data)
+        self.storage.delete(group_key(group_id))
+        print(f"[rollouts] quarantined {group_id}: {reason}", flush=True)
 
-    def count_bad(self) -> int:
-        return sum(1 for n in os.listdir(self.bad) if n.endswith(".reason.txt"))
-
-    def delete_claimed(self):
-        """Called after a checkpoint: every claimed group was used by a step that the checkpoint now covers."""
-        for name in os.listdir(self.claimed):
-            os.remove(os.path.join(self.claimed, name))
-
-    def restore_claimed(self) -> int:
-        """Called on resume: groups taken after the last checkpoint were never covered, so they are ready again."""
-        names = os.listdir(self.claimed)
-        for name in names:
-            os.replace(os.path.join(self.claimed, name), os.path.join(self.ready, name))
-        return len(names)
+    def collect(self, ids, fault_step: int | None = None):
+        """Delete consumed groups (garbage collection; repeating it is harmless)."""
+        for i, gid in enumerate(sorted(ids)):
+            if fault_step is not None and i == len(ids) // 2:
+                fault("mid_gc", fault_step)
+            self.storage.delete(group_key(gid))
+        self.storage.sweep_temps("rollouts")  # half-written files of generators that were killed
 
 
-def validator(vocab_size: int, temperature: float, G: int, version_now):
-    """What the trainer checks on every group it takes; version_now() is the trainer's current version."""
-    def check(group: Group):
-        if len(group) != G:
-            raise ValueError(f"group has {len(group)} completions, the run's group_size is {G}")
-        if not math.isclose(group.temperature, temperature, rel_tol=0, abs_tol=1e-6):
-            raise ValueError(f"sampled at temperature {group.temperature}, the run uses {temperature}")
-        if group.policy_version > version_now():
-            raise ValueError(f"policy_version {group.policy_version} is from the future (trainer at {version_now()})")
-        ids = group.prompt_ids + [t for c in group.completion_ids for t in c]
-        if not group.prompt_ids or min(ids) < 0 or max(ids) >= vocab_size:
-            raise ValueError(f"token ids must lie in [0, {vocab_size}) and the prompt must not be empty")
-    return check
+def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_of=None):
+    """What the trainer checks on every group it takes, against run.json's bounds, at trainer version
+    `version`; digest_of(v) is the digest of adapter version v's weights ("" if unknown)."""
+    if len(group) != run["group_size"]:
+        raise ValueError(f"group_size: the group has {len(group)} completions, the run's is {run['group_size']}")
+    if not math.isclose(group.temperature, run["temperature"], rel_tol=0, abs_tol=1e-6):
+        raise ValueError(f"temperature: sampled at {group.temperature}, the run uses {run['temperature']}")
+    if group.policy_version > version:
+        raise ValueError(f"policy_version {group.policy_version} is from the future (trainer at {version})")
+    if not 1 <= len(group.prompt_ids) <= run["max_prompt_len"]:
+        raise ValueError(f"prompt_ids: {len(group.prompt_ids)} tokens, the run allows 1 to {run['max_prompt_len']}")
+    if max(map(len, group.completion_ids)) > run["max_new_tokens"]:
+        raise ValueError(f"completion_ids: {max(map(len, group.completion_ids))} tokens, the run's "
+                         f"max_new_tokens is {run['max_new_tokens']}")
+    ids = group.prompt_ids + [t for c in group.completion_ids for t in c]
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size}): found {min(ids)}..{max(ids)}")
+    expected = digest_of(group.policy_version) if group.adapter_digest and digest_of else ""
+    if expected and group.adapter_digest != expected:
+        raise AttributionError(f"adapter_digest: sampled with weights {group.adapter_digest}, but version "
+                               f"{group.policy_version} is {expected} (a replica served other weights)")
+
+
+class AttributionError(ValueError):
+    pass

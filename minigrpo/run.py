@@ -1,14 +1,17 @@
-"""The run directory: the settings every process must agree on (run.json), atomic writes, DONE, and metrics.
+"""The run: the settings every process must agree on (run.json), the trainer's lease (owner.json), the metrics
+records, and the fault points the crash tests use. All of it goes through storage.py.
 
-Every file that crosses between processes is written under a temporary name in the same directory and then
-renamed, so a reader sees either nothing or the whole file, on a local disk, NFS or a mounted bucket.
+    RUN/run.json     run id (random, made when the trainer creates the run) + RunSettings; written once
+    RUN/owner.json   the lease: one trainer owns a run (owner id, host, pid, heartbeat time, progress)
+    RUN/metrics/     train-*.jsonl, generate-<id>-*.jsonl: one JSON record per line, written in segments
+    RUN/DONE         written by the trainer at the end; generators exit when they see it
 """
-import contextlib
 import dataclasses
 import json
 import os
-import shutil
+import socket
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,12 +37,19 @@ class RunSettings:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature; the trainer's log-probs use it too"})
     group_size: int = field(default=8, metadata={"help": "G: completions per prompt, normalised together"})
     max_new_tokens: int = field(default=8, metadata={"help": "completion length limit (also Dr. GRPO's constant)"})
+    max_prompt_len: int = field(default=2048, metadata={"help": "longest prompt in tokens; longer groups are refused"})
+    max_staleness: int = field(default=4, metadata={"help": "drop groups more than this many adapter versions old"})
+
+    def is_fresh(self, trainer_version: int, policy_version: int) -> bool:
+        """The staleness window: keep a group unless it is more than max_staleness versions behind (strict >,
+        as TRL drops). The trainer keeps, and replicas keep loaded, the newest max_staleness + 1 versions."""
+        return trainer_version - policy_version <= self.max_staleness
 
 
 # Recipes as flags. Each script applies the flags its own config has; flags given on the command line win.
 PRESETS = {
     # the blog's run: Qwen2.5-Math-1.5B, rank-1 LoRA on every projection, Dr. GRPO with truncated IS at 2
-    # (shared/spec/grpo.md 4.2), 8 completions a prompt, 128 a step, an adapter every 4 steps
+    # (the oat / "off-policy RL" recipe), 8 completions a prompt, 128 a step, an adapter every 4 steps
     "qwen-math-1.5b": dict(model="Qwen/Qwen2.5-Math-1.5B", task="math", lora_r=1, lora_alpha=2, group_size=8,
                            max_new_tokens=3000, temperature=1.0, lr=4e-5, groups_per_step=16, max_staleness=4,
                            sync_every=4, loss_type="dr_grpo", old_logp="recompute", tis_cap=2.0, dtype="bfloat16",
@@ -66,75 +76,148 @@ def parse_config(*types, argv=None):
     return parser.parse_args_into_dataclasses(flags + argv)
 
 
-def write_atomic(path: str, text: str):
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+FAULT = os.environ.get("MINIGRPO_FAULT", "")  # <point>:<step>, for the crash tests; read once
 
 
-@contextlib.contextmanager
-def atomic_dir(path: str):
-    """Yield a temporary sibling directory to fill; on success it is renamed to `path` in one step."""
-    parent, name = os.path.split(path)
-    tmp = os.path.join(parent, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
-    os.makedirs(tmp)
+def fault(point: str, step: int):
+    """MINIGRPO_FAULT=<point>:<step> exits at once (os._exit(137), no cleanup, like SIGKILL) the first time the
+    trainer reaches that point at or after that step. Points: after_checkpoint, mid_gc, after_metrics,
+    before_latest. Unset, this is one string comparison."""
+    if FAULT and FAULT.split(":")[0] == point and step >= int(FAULT.split(":")[1]):
+        print(f"MINIGRPO_FAULT: exiting at {point}, step {step}", flush=True)
+        os._exit(137)
+
+
+def read_json(storage, key: str):
+    """A small JSON object, or None if absent; a damaged one is one clear line, not a traceback."""
     try:
-        yield tmp
-        os.rename(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def remove_stale_temps(directory: str):
-    """Remove temporary files and directories that a killed process left behind."""
-    for name in os.listdir(directory):
-        if name.startswith(".") and name.endswith(".tmp"):
-            path = os.path.join(directory, name)
-            with contextlib.suppress(FileNotFoundError):  # another process (a second rank) got there first
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-
-
-def join_run(run_dir: str, settings: RunSettings) -> dict:
-    """Create run.json if this process is first, else check it matches; returns its contents."""
+        data = storage.get(key)
+    except FileNotFoundError:
+        return None
     try:
-        os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
-        probe = os.path.join(run_dir, f".write-probe-{uuid.uuid4().hex[:8]}")  # one per process: several join at once
-        write_atomic(probe, "")
-        os.remove(probe)
-    except OSError as e:
-        raise SystemExit(f"the run directory {run_dir} is not writable: {e}") from e
-    path = os.path.join(run_dir, "run.json")
+        return json.loads(data)
+    except ValueError as e:
+        raise SystemExit(f"{storage.url(key)} is damaged (not valid JSON: {e}). Restore it from a copy, or start "
+                         f"a new run with another --run_dir.") from e
+
+
+def create_run(storage, settings: RunSettings) -> dict:
+    """The trainer's side: make run.json if the run is new, else check it. Returns its contents."""
+    theirs = read_json(storage, "run.json")
+    if theirs is None:
+        if storage.list("adapters") or storage.list("checkpoints"):
+            raise SystemExit(f"{storage.url('run.json')} is missing but the run has adapters or checkpoints: "
+                             f"restore run.json, or start a new run with another --run_dir.")
+        theirs = dataclasses.asdict(settings) | {"run_id": uuid.uuid4().hex[:8], "created": time.time()}
+        storage.put("run.json", json.dumps(theirs, indent=2))
+    return check_run(storage, settings, theirs)
+
+
+def join_run(storage, settings: RunSettings, timeout_s: float = 600.0) -> dict:
+    """A generator's side: wait for the trainer to create run.json, then check it. Returns its contents."""
+    t0 = time.time()
+    while (theirs := read_json(storage, "run.json")) is None:
+        if time.time() - t0 > timeout_s:
+            raise SystemExit(f"no {storage.url('run.json')} after {timeout_s:.0f}s: is train.py running with "
+                             f"this --run_dir? (the trainer creates the run)")
+        time.sleep(storage.poll_s)
+    return check_run(storage, settings, theirs)
+
+
+def check_run(storage, settings: RunSettings, theirs: dict) -> dict:
     mine = dataclasses.asdict(settings)
-    if not os.path.exists(path):
-        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(mine | {"run_id": uuid.uuid4().hex[:12], "created": time.time()}, f, indent=2)
-        with contextlib.suppress(FileExistsError):
-            os.link(tmp, path)  # create-if-absent in one step: of two processes starting at once, one wins
-        os.remove(tmp)
-    with open(path) as f:
-        theirs = json.load(f)
     diff = [f"{k}: run.json has {theirs.get(k)!r}, this process has {v!r}" for k, v in mine.items() if theirs.get(k) != v]
     if diff:
-        raise SystemExit(f"{path} was written with other settings; start this process with the same ones "
-                         f"(or use another --run_dir):\n  " + "\n  ".join(diff))
+        raise SystemExit(f"{storage.url('run.json')} was written with other settings; start this process with the "
+                         f"same ones (or use another --run_dir):\n  " + "\n  ".join(diff))
     return theirs
 
 
-def done_path(run_dir: str) -> str:
-    return os.path.join(run_dir, "DONE")
+class Lease:
+    """owner.json: one trainer owns a run. The owner rewrites it every heartbeat_s with the time and its
+    progress (generators read `pending` from it for backpressure). Another trainer refuses to start while the
+    heartbeat is younger than timeout_s, and takes the run over after that. The owner checks the lease before
+    each step and exits at once if someone else took it."""
+
+    def __init__(self, storage, timeout_s: float = 60.0):
+        self.storage, self.timeout_s, self.lock = storage, timeout_s, threading.Lock()
+        self.info = {"owner": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid()}
+        self.stop = threading.Event()
+
+    def acquire(self):
+        theirs = read_json(self.storage, "owner.json")
+        age = time.time() - theirs.get("heartbeat", 0) if theirs else 0
+        if theirs and age < self.timeout_s and not self.dead_here(theirs):
+            raise SystemExit(f"{self.storage.url()} is owned by trainer {theirs.get('owner')} (host {theirs.get('host')}, "
+                             f"pid {theirs.get('pid')}), heartbeat {age:.0f}s ago. One trainer per run: stop it, or "
+                             f"wait until its lease is {self.timeout_s:.0f}s old (--lease_timeout_s) to take over.")
+        self.write()
+        time.sleep(min(2.0, self.timeout_s / 10))  # two trainers that start together: the last write wins
+        self.check()
+        threading.Thread(target=self._beat, daemon=True).start()
+        return theirs  # the previous owner's lease, if this is a takeover
+
+    @staticmethod
+    def dead_here(theirs: dict) -> bool:
+        """A killed trainer on this same host: its lease can be taken at once (a restart after SIGKILL)."""
+        if theirs.get("host") != socket.gethostname():
+            return False
+        try:
+            os.kill(int(theirs.get("pid", 0)), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, ValueError):
+            pass
+        return False
+
+    def write(self, **progress):
+        with self.lock:
+            self.info |= progress | {"heartbeat": time.time()}
+            self.storage.put("owner.json", json.dumps(self.info))
+
+    def check(self):
+        theirs = read_json(self.storage, "owner.json") or {}
+        if theirs.get("owner") != self.info["owner"]:
+            print(f"lease lost: {self.storage.url('owner.json')} now names trainer {theirs.get('owner')} "
+                  f"(host {theirs.get('host')}, pid {theirs.get('pid')}); exiting without writing", flush=True)
+            os._exit(1)
+
+    def _beat(self):
+        while not self.stop.wait(self.timeout_s / 6):
+            self.check()
+            self.write()
+
+    def release(self):
+        self.stop.set()
+        with self.lock:
+            self.storage.delete("owner.json")
 
 
 class Metrics:
-    """Appends one JSON record per step to RUN/metrics/<name>.jsonl and prints the console line for it."""
+    """One JSON record per step: printed as one console line and kept in RUN/metrics/<name>-<life>-<seg>.jsonl.
+    Object stores cannot append, so the current segment (at most `segment` records) is rewritten whole."""
 
-    def __init__(self, run_dir: str, name: str):
-        self.path = os.path.join(run_dir, "metrics", f"{name}.jsonl")
+    def __init__(self, storage, name: str, segment: int = 25):
+        self.storage, self.segment, self.records = storage, segment, []
+        self.prefix, self.n = f"metrics/{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}", 0
 
     def log(self, record: dict, line: str):
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if len(self.records) == self.segment:
+            self.records, self.n = [], self.n + 1
+        self.records.append(json.dumps(record))
+        self.storage.put(f"{self.prefix}-{self.n:05d}.jsonl", "\n".join(self.records) + "\n")
         print(line, flush=True)
+
+
+def read_records(storage, name: str) -> list[dict]:
+    """Every record of metrics/<name>*.jsonl in time order. For the trainer, a step that was redone after a
+    crash has several records: the last one is the surviving one (latest_per_step)."""
+    out = []
+    for file in storage.list("metrics"):
+        if file.startswith(name) and file.endswith(".jsonl"):
+            out += [json.loads(line) for line in storage.get(f"metrics/{file}").decode().splitlines() if line]
+    return sorted(out, key=lambda r: r.get("time", 0))
+
+
+def latest_per_step(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in records}  # records are in time order: the last one of a step wins

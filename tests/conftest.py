@@ -91,3 +91,63 @@ def save_random_adapter(path, r=2, alpha=4.0, seed=0, targets=None):
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g) * 0.3)
     save_adapter(str(path), lora_state_dict(model), adapter_config(r, alpha, targets or DEFAULT_TARGETS, "demo"))
     return model
+
+
+# ---- run directories ----
+def train_records(run_dir: str) -> list[dict]:
+    """The trainer's step records that stand (a step redone after a crash: its last record), steps 1.."""
+    from minigrpo.run import latest_per_step, read_records
+    from minigrpo.storage import Storage
+    by_step = latest_per_step(read_records(Storage(run_dir), "train"))
+    return [by_step[s] for s in sorted(by_step) if s > 0]
+
+
+def eval_records(run_dir: str) -> list[dict]:
+    from minigrpo.run import latest_per_step, read_records
+    from minigrpo.storage import Storage
+    by_step = latest_per_step(read_records(Storage(run_dir), "train"))
+    return [by_step[s] for s in sorted(by_step) if "eval/accuracy" in by_step[s]]
+
+
+def gen_records(run_dir: str, generator: str) -> list[dict]:
+    from minigrpo.run import read_records
+    from minigrpo.storage import Storage
+    return [r for r in read_records(Storage(run_dir), "generate-") if r["generator"] == generator]
+
+
+# ---- a real S3 server on loopback: moto's server mode, what s3fs's own tests use ----
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """Start `moto.server` on a free loopback port and point the standard AWS variables at it."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # child processes (train.py, generate.py) inherit them
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
+            break
+        except urllib.error.HTTPError:
+            break  # it answers
+        except OSError:
+            assert proc.poll() is None and time.time() < deadline, "moto.server did not start"
+            time.sleep(0.2)
+    yield env["AWS_ENDPOINT_URL"]
+    proc.kill()
+    for k, v in saved.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """A fresh, empty bucket; returns its s3:// URL."""
+    import uuid
+
+    import boto3
+    name = f"minigrpo-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return f"s3://{name}"

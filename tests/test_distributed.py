@@ -11,8 +11,10 @@ import torch
 from conftest import ROOT, free_port
 from safetensors.torch import load_file
 
-from test_e2e import records
+from conftest import train_records
 from test_faults import publish_v0
+
+from minigrpo.run import RunSettings
 
 FLAGS = ["--max_steps", "3", "--groups_per_step", "16", "--max_staleness", "100", "--eval_every", "1000",
          "--eval_size", "8", "--save_every", "3", "--micro_batch_tokens", "256"]
@@ -20,9 +22,9 @@ FLAGS = ["--max_steps", "3", "--groups_per_step", "16", "--max_staleness", "100"
 
 def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
     base = str(tmp_path / "base")
-    publish_v0(base)
+    publish_v0(base, RunSettings(max_staleness=100))
     subprocess.run([sys.executable, "generate.py", "--run_dir", base, "--generator_id", "g0", "--max_batches", "6",
-                    "--max_ready", "1000"], cwd=ROOT, check=True, capture_output=True, timeout=300)  # 48 groups
+                    "--max_ready", "1000", "--max_staleness", "100"], cwd=ROOT, check=True, capture_output=True, timeout=300)  # 48 groups
     for name in ("one", "two"):
         shutil.copytree(base, tmp_path / name)
     one = subprocess.run([sys.executable, "train.py", "--run_dir", str(tmp_path / "one"), *FLAGS], cwd=ROOT,
@@ -32,11 +34,11 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert one.returncode == 0, one.stderr[-2000:]
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
-    logs = [[r for r in records(str(tmp_path / n / "metrics" / "train.jsonl")) if r["step"] > 0] for n in ("one", "two")]
+    logs = [train_records(str(tmp_path / n)) for n in ("one", "two")]
     assert [r["group_ids"] for r in logs[0]] == [r["group_ids"] for r in logs[1]], "the same global batches"
     for a, b in zip(*logs):
         assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["ratio/mean"] - b["ratio/mean"]) < 1e-5
-    weights = [load_file(str(tmp_path / n / "checkpoints" / "step-000003" / "adapter" / "adapter_model.safetensors"))
+    weights = [load_file(str(tmp_path / n / "checkpoints" / "step-000003" / "adapter_model.safetensors"))
                for n in ("one", "two")]
     assert weights[0].keys() == weights[1].keys()
     for key in weights[0]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minigrpo.grpo import advantages, combine_metrics, grpo_loss, is_weights, overlong_penalty, zero_std_groups
-from minigrpo.rollouts import is_fresh
+from minigrpo.run import RunSettings
 
 close = lambda a, b, tol=1e-6: torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64),
                                                           torch.as_tensor(b, dtype=torch.float64), rtol=0, atol=tol)
@@ -149,7 +149,7 @@ def test_t11_overlong_shaping():
 
 
 def test_t12_staleness_filter_is_strict():
-    assert [is_fresh(10, v, 4) for v in (10, 7, 6, 5)] == [True, True, True, False]
+    assert [RunSettings(max_staleness=4).is_fresh(10, v) for v in (10, 7, 6, 5)] == [True, True, True, False]
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])

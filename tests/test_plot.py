@@ -5,12 +5,14 @@
 import json
 import os
 
-from minigrpo.plot import plot_run, train_records
+from conftest import train_records
+
+from minigrpo.plot import plot_run
 
 
 def write_run(run_dir):
     os.makedirs(os.path.join(run_dir, "metrics"))
-    with open(os.path.join(run_dir, "metrics", "train.jsonl"), "w") as f:
+    with open(os.path.join(run_dir, "metrics", "train-a-00000.jsonl"), "w") as f:
         f.write(json.dumps({"step": 0, "eval/accuracy": 0.3, "time": 100.0}) + "\n")
         for step in range(1, 21):
             f.write(json.dumps({"step": step, "time": 100.0 + step, "reward/mean": 0.3 + step / 100, "ratio/mean": 1.0,
@@ -20,14 +22,14 @@ def write_run(run_dir):
                                 "perf/step_s": 0.14, "sample/rollout_queue_size": 5, "entropy": 0.5,
                                 "completions/mean_length": 3.0} | ({"eval/accuracy": 0.5} if step == 20 else {})) + "\n")
         f.write(json.dumps({"step": 20, "time": 130.0, "reward/mean": 0.9}) + "\n")  # a re-run step supersedes
-    with open(os.path.join(run_dir, "metrics", "generate-g0.jsonl"), "w") as f:
+    with open(os.path.join(run_dir, "metrics", "generate-g0-a-00000.jsonl"), "w") as f:
         for i in range(10):
-            f.write(json.dumps({"time": 101.0 + 2 * i, "rollout/backpressure_s": 0.5}) + "\n")
+            f.write(json.dumps({"generator": "g0", "time": 101.0 + 2 * i, "rollout/backpressure_s": 0.5}) + "\n")
 
 
 def test_dashboard_is_written_and_resumed_steps_supersede(tmp_path):
     run_dir = str(tmp_path / "run")
     write_run(run_dir)
-    assert train_records(run_dir)[-1]["reward/mean"] == 0.9 and len(train_records(run_dir)) == 21
+    assert train_records(run_dir)[-1]["reward/mean"] == 0.9 and len(train_records(run_dir)) == 20
     out = plot_run(run_dir, str(tmp_path / "dash.png"))
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(out) > 20_000

@@ -9,7 +9,6 @@ import time
 import pytest
 from conftest import call, free_port, save_random_adapter, start
 
-from minigrpo.adapters import adapter_name
 from minigrpo.engine import SamplingParams
 from minigrpo.remote import HttpEngine, ServerError
 
@@ -116,6 +115,10 @@ def test_a_dead_replica_is_named_and_completions_go_around_it(fleet):
     assert status == 502 and "1/2 servers unhealthy" in text and fleet["dead"] in text
     for _ in range(4):  # round-robin on ties would pick the dead one half the time
         assert call("POST", fleet["half"] + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
+
+
+def adapter_name(version: int) -> str:
+    return f"policy-testrun-v{version:06d}"
 
 
 def test_http_engine_loads_versions_generates_and_unloads_old_names(fleet):

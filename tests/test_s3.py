@@ -1,0 +1,45 @@
+"""The whole demo on a real S3 server: moto's server mode on loopback (what s3fs's own tests use), reached the
+standard way (AWS_ENDPOINT_URL and friends). Generator and trainer share nothing but s3://bucket/run.
+
+    python -m pytest -q tests/test_s3.py
+"""
+import subprocess
+import sys
+
+from conftest import ROOT, train_records
+
+from minigrpo.rollouts import read_group
+from minigrpo.storage import Storage
+
+
+def test_the_demo_runs_on_s3_and_trains_every_group_exactly_once(s3_bucket):
+    run_dir = f"{s3_bucket}/run"
+    gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "g0"], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        train = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", "20", "--save_every",
+                                "5", "--eval_every", "100", "--eval_size", "50", "--groups_per_step", "8"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+        gen_out, _ = gen.communicate(timeout=120)
+    finally:
+        gen.kill()
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    assert gen.returncode == 0, gen_out[-3000:]
+    steps = train_records(run_dir)
+    ids = [g for r in steps for g in r["group_ids"]]
+    assert [r["step"] for r in steps] == list(range(1, 21)) and len(ids) == len(set(ids)) == 20 * 8
+    assert abs(steps[0]["ratio/mean"] - 1) < 1e-3  # the generator loaded the adapter straight from the bucket
+    storage = Storage(run_dir)
+    assert storage.exists("DONE") and storage.list("checkpoints") == ["step-000015", "step-000020"]
+    latest = storage.get("adapters/LATEST").decode().strip()
+    assert storage.exists(f"adapters/{latest}/adapter_model.safetensors")
+    for name in storage.list("rollouts"):  # what is left was never trained, and is whole
+        assert name.removesuffix(".safetensors") not in ids
+        read_group(storage.get(f"rollouts/{name}"), name.removesuffix(".safetensors"))
+
+
+def test_a_missing_bucket_is_one_clear_line(s3_endpoint):
+    out = subprocess.run([sys.executable, "train.py", "--run_dir", "s3://no-such-bucket-here/run"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "cannot write s3://no-such-bucket-here/run/owner.json" in out.stderr and "bucket does not exist" in out.stderr
