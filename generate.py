@@ -120,6 +120,7 @@ def main():
         raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): nothing to generate. "
                          f"Delete it or pass another --run_dir to start a new run.")
     meta = join_run(storage, run)
+    poll_s = max(cfg.poll_s, storage.poll_s)  # a bucket charges per request: look less often
     torch.set_num_threads(cfg.threads)
     rng = random.Random(f"{cfg.seed}-{gen_id}")
     engine, tokenizer = make_engine(cfg, run, seed=rng.getrandbits(63))
@@ -133,8 +134,8 @@ def main():
     skipped = set()  # adapter versions that could not be loaded
     while not cfg.max_batches or batch < cfg.max_batches:
         lockstep = engine.version if cfg.lockstep and batch else None
-        backpressure_s = wait_for_room(buffer, cfg.max_ready, cfg.poll_s, lockstep, store)
-        latest = wait_for_adapter(store, cfg.poll_s)
+        backpressure_s = wait_for_room(buffer, cfg.max_ready, poll_s, lockstep, store)
+        latest = wait_for_adapter(store, poll_s)
         if latest is None:
             break
         t0 = time.time()
@@ -149,7 +150,7 @@ def main():
                 print(f"generator {gen_id}: cannot load {path} ({type(e).__name__}: {e}); "
                       f"{'staying on version ' + str(engine.version) if engine.version is not None else 'waiting'}", flush=True)
         if engine.version is None:
-            time.sleep(cfg.poll_s)
+            time.sleep(poll_s)
             continue
         sync_s = time.time() - t0
 

@@ -1,14 +1,20 @@
-"""Weight sync: seconds from the trainer publishing an adapter version (files in the run directory) to every
-replica serving it, through the proxy (POST /v1/load_lora_adapter broadcast, then a completion on the new name),
-with two local minigrpo replicas of the demo model, for rank 1 and rank 16.
+"""Weight sync: seconds from the trainer publishing an adapter version (its files, then LATEST, in the run
+directory) to both of two replicas serving it through the proxy (POST /v1/load_lora_adapter broadcast, then a
+completion on the new name), with two local minigrpo replicas of the demo model, for rank 1 and rank 16.
+The run directory is a local folder, or a bucket on a real S3 server (moto's server mode on loopback) that the
+replicas read the adapter from.
 
-    python bench/bench_weight_sync.py      # ~1 minute
+    python bench/bench_weight_sync.py                 # both stores, ~2 minutes
+    python bench/bench_weight_sync.py --store s3      # one
 """
+import argparse
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 
 import torch
 
@@ -18,18 +24,41 @@ from minigrpo.engine import SamplingParams
 from minigrpo.lora import DEFAULT_TARGETS, adapter_config, inject_lora, lora_state_dict
 from minigrpo.model import load_model
 from minigrpo.remote import HttpEngine
+from minigrpo.storage import Storage
 
-if __name__ == "__main__":
-    run_dir, ports = tempfile.mkdtemp(prefix="bench-sync-"), [18201, 18202, 18200]
-    procs = [subprocess.Popen([sys.executable, "-m", "minigrpo.serve", "--port", str(p), "--max_lora_rank", "16"], cwd=ROOT,
-                              stdout=subprocess.DEVNULL) for p in ports[:2]]
+
+def s3_run_dir(port: int) -> tuple[str, subprocess.Popen]:
+    """A moto S3 server on loopback, the standard AWS variables pointing at it, and a fresh bucket."""
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    import boto3
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    for _ in range(100):
+        try:
+            boto3.client("s3").create_bucket(Bucket=bucket)
+            break
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.2)
+    return f"s3://{bucket}/run", server
+
+
+def measure(store_kind: str, ports: list[int]) -> list[dict]:
+    run_dir, extra = tempfile.mkdtemp(prefix="bench-sync-"), []
+    if store_kind == "s3":
+        run_dir, server = s3_run_dir(ports[3])
+        extra.append(server)
+    procs = extra + [subprocess.Popen([sys.executable, "-m", "minigrpo.serve", "--port", str(p), "--max_lora_rank",
+                                       "16"], cwd=ROOT, stdout=subprocess.DEVNULL) for p in ports[:2]]
     procs.append(subprocess.Popen([sys.executable, "proxy.py", "--port", str(ports[2]), "--no_auth",
                                    *[a for p in ports[:2] for a in ("--upstream", f"http://127.0.0.1:{p}")]], cwd=ROOT,
                                   stdout=subprocess.DEVNULL))
+    rows = []
     try:
         engine = HttpEngine(f"http://127.0.0.1:{ports[2]}", keep=3)
         engine.wait_ready(timeout_s=120)
-        store, rows, version = AdapterStore(run_dir), [], 0
+        store, version = AdapterStore(Storage(run_dir), uuid.uuid4().hex[:8]), 0
         for r in (1, 16):
             model, _ = load_model("demo", torch.device("cpu"))
             inject_lora(model, r, 2 * r, DEFAULT_TARGETS)
@@ -37,20 +66,33 @@ if __name__ == "__main__":
             publish_s, load_s, first_s = [], [], []
             for _ in range(10):
                 t0 = time.perf_counter()
-                path = store.publish(version, lora_state_dict(model), config, keep=3)
+                store.write(version, lora_state_dict(model), config)
+                store.set_latest(version, keep=3)
                 t1 = time.perf_counter()
-                engine.load_adapter(version, path)  # returns once every replica has it
+                engine.load_adapter(version, store.url(version))  # returns once every replica has it
                 t2 = time.perf_counter()
                 engine.generate([[2, 3, 11, 4, 5, 12]], SamplingParams(max_tokens=1))
                 t3 = time.perf_counter()
                 publish_s.append(t1 - t0), load_s.append(t2 - t1), first_s.append(t3 - t0)
                 version += 1
             kb = sum(v.numel() for v in lora_state_dict(model).values()) * 4 / 1024
-            rows.append({"rank": r, "adapter_kb": kb, "publish_ms": 1000 * statistics.median(publish_s),
+            rows.append({"store": store_kind, "rank": r, "adapter_kb": kb,
+                         "publish_ms": 1000 * statistics.median(publish_s),
                          "load_on_both_ms": 1000 * statistics.median(load_s),
-                         "publish_to_served_ms": 1000 * statistics.median(first_s)})
+                         "publish_to_served_p50_ms": 1000 * statistics.median(first_s),
+                         "publish_to_served_max_ms": 1000 * max(first_s)})
         engine.close()
-        report("weight_sync", rows, "medians of 10 versions each; publish = write the PEFT directory + LATEST")
     finally:
         for p in procs:
             p.kill()
+    return rows
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--store", choices=["local", "s3", "both"], default="both")
+    args = parser.parse_args()
+    kinds = ["local", "s3"] if args.store == "both" else [args.store]
+    rows = [row for kind in kinds for row in measure(kind, [18201, 18202, 18200, 18203])]
+    report("weight_sync", rows, "10 versions per row (p50 and max); publish = the PEFT files + LATEST into the store; "
+                                "the replicas read the adapter from the store (s3: through moto's server on loopback)")

@@ -8,7 +8,6 @@ backpressure (a full queue with backpressure: the trainer is the bottleneck; an 
 generators are); entropy and completion length.
 """
 import argparse
-import os
 
 import matplotlib
 import numpy as np

@@ -152,7 +152,7 @@ class Lease:
                              f"pid {theirs.get('pid')}), heartbeat {age:.0f}s ago. One trainer per run: stop it, or "
                              f"wait until its lease is {self.timeout_s:.0f}s old (--lease_timeout_s) to take over.")
         self.write()
-        time.sleep(min(2.0, self.timeout_s / 10))  # two trainers that start together: the last write wins
+        time.sleep(min(1.0, self.timeout_s / 10))  # two trainers that start together: the last write wins
         self.check()
         threading.Thread(target=self._beat, daemon=True).start()
         return theirs  # the previous owner's lease, if this is a takeover

@@ -125,3 +125,51 @@ def test_trainer_two_replicas_proxy_and_http_generator_learn_together(tmp_path):
     finally:
         for p in procs:
             p.kill()
+
+
+def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(tmp_path):
+    """Adapter names carry the run id: a second run on the same replicas never gets the first run's weights."""
+    import torch
+    from conftest import call, free_port, start
+
+    from minigrpo.lora import inject_lora, load_adapter
+    from minigrpo.model import load_model, sequence_logprobs
+    from minigrpo.rollouts import read_group
+    ports = [free_port() for _ in range(3)]
+    replicas = [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    procs = [start(["-m", "minigrpo.serve", "--port", str(p)], p, wait=False) for p in ports[:2]]
+    procs.append(start(["proxy.py", "--upstream", replicas[0], "--upstream", replicas[1], "--port", str(ports[2]),
+                        "--no_auth"], ports[2]))
+    model, _ = load_model("demo", torch.device("cpu"))
+    inject_lora(model, 8, 16.0)
+    try:
+        for run, seed in (("a", 1), ("b", 2)):  # one after the other, on the same replicas
+            run_dir = str(tmp_path / run)
+            gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--engine", "http", "--url",
+                                    f"http://127.0.0.1:{ports[2]}", "--generator_id", run], cwd=ROOT,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            procs.append(gen)
+            train = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", "8", "--seed",
+                                    str(seed), "--lr", "0.03", "--groups_per_step", "4", "--eval_every", "100",
+                                    "--eval_size", "20"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
+            assert gen.wait(timeout=60) == 0
+            storage, checked = Storage(run_dir), 0
+            for name in storage.list("rollouts"):  # groups sampled after the last step: recompute their log-probs
+                group = read_group(storage.get(f"rollouts/{name}"), name.removesuffix(".safetensors"))
+                adapter = f"{run_dir}/adapters/policy-{json.loads(storage.get('run.json'))['run_id']}-v{group.policy_version:06d}"
+                if group.policy_version == 0 or not os.path.isdir(adapter):
+                    continue
+                load_adapter(model, adapter)
+                ids = torch.tensor([group.prompt_ids + group.completion_ids[0]])
+                logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), 1.0)
+                mine = logp[0, len(group.prompt_ids) - 1:].tolist()
+                assert max(abs(a - b) for a, b in zip(mine, group.behavior_logprobs[0])) < 1e-4, (run, name)
+                checked += 1
+            assert checked > 0, f"run {run} left no group sampled with a trained adapter"
+        names = [{m["id"] for m in call("GET", r + "/v1/models")[2]["data"][1:]} for r in replicas]
+        ids = [json.loads(Storage(str(tmp_path / run)).get("run.json"))["run_id"] for run in "ab"]
+        assert all(any(ids[1] in n for n in names[i]) for i in (0, 1)) and ids[0] != ids[1]
+    finally:
+        for p in procs:
+            p.kill()

@@ -1,4 +1,4 @@
-"""The loss and advantages against the hand-computed cases of shared/spec/grpo.md section 8.4 (T1-T12).
+"""The loss and advantages against hand-computed cases (T1-T12).
 
     python -m pytest -q tests/test_grpo.py
 """

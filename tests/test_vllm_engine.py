@@ -1,5 +1,5 @@
 """The vllm engine against a stand-in `vllm` module that records every call (vLLM itself needs a GPU). The stand-in
-checks what shared/spec/vllm_protocol.md section 6 says the offline API requires.
+checks what vLLM's offline API (vllm/entrypoints/llm.py, vllm/lora/request.py) requires.
 
     python -m pytest -q tests/test_vllm_engine.py
 """
