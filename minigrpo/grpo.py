@@ -1,16 +1,24 @@
-"""The GRPO family of losses as pure functions of tensors (spec: shared/spec/grpo.md, section 8).
+"""The GRPO family of losses as pure functions of tensors.
 
     A_i    = (r_i - mean_g r) / (std_g r + eps)          group-normalised advantage (unbiased std; 0 if std = 0)
     rho    = pi_theta / pi_old                          policy ratio, per token
     w      = min(pi_old / mu, tis_cap)                  truncated importance weight (1 when pi_old is mu)
-    l_t    = -w * min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)  +  beta * k3(pi_ref || pi_theta)
+    l_t    = -w * min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)  +  beta * k3(pi_theta || pi_ref)
 
 and the per-token losses l are summed over valid tokens and divided by a normaliser that depends on loss_type:
     grpo     1/B sum_i (sum_t l_it / |o_i|)      sequence mean of token means          (DeepSeekMath)
     dapo     sum_it l_it / sum_i |o_i|           token mean over the whole batch        (DAPO)
     dr_grpo  sum_it l_it / (B * max_new_tokens)  a constant, so no length bias          (Dr. GRPO)
 B and sum_i |o_i| are those of the whole optimizer batch, passed in as num_seqs / num_tokens when micro-batching.
+
+Health of the off-policy data, from the trainer's log-probs against the sampler's (mu) on the sampled tokens,
+with v = pi_theta / mu (slime and prime-rl report the same signals):
+    health/ess_frac         (sum v)^2 / (N sum v^2)   effective sample size over the N tokens: 1 when v is constant
+    health/mismatch_kl      mean((v - 1) - log v)     k3 estimate of KL(mu || pi_theta): 0 when they agree
+    health/far_frac         share of |log v| > ln 2   tokens whose probability differs by more than 2x
 """
+import math
+
 import torch
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
@@ -87,7 +95,7 @@ def grpo_loss(logp, old_logp, behav_logp, adv, mask, loss_type="grpo", eps_low=0
             raise ValueError("loss_type='dr_grpo' normalises by max_new_tokens; pass it")
         loss = (per_token * mask).sum() / (num_seqs * max_new_tokens)
 
-    with torch.no_grad():  # health signals over valid tokens (spec section 6)
+    with torch.no_grad():  # health signals over valid tokens
         valid = mask.bool()
         r = ratio[valid]
         A_tok = A.expand_as(ratio)[valid]
@@ -98,7 +106,15 @@ def grpo_loss(logp, old_logp, behav_logp, adv, mask, loss_type="grpo", eps_low=0
                    "kl": ((r - 1) - torch.log(r)).mean().item()}  # k3 of KL(mu || pi_theta) when old is mu
         if tis_cap is not None:
             metrics |= {"is/mean": rho[valid].mean().item(), "is/frac_capped": (rho[valid] > tis_cap).float().mean().item()}
+        metrics |= health(logp[valid] - behav_logp[valid])
     return loss, metrics
+
+
+def health(log_v: torch.Tensor) -> dict:
+    """Token means of v = pi_theta / mu and friends over the sampled tokens (N,); combine_metrics adds ess_frac."""
+    v = torch.exp(log_v.clamp(-40, 40))
+    return {"health/v_mean": v.mean().item(), "health/v_sq_mean": (v * v).mean().item(),
+            "health/mismatch_kl": ((v - 1) - log_v).mean().item(), "health/far_frac": (log_v.abs() > math.log(2)).float().mean().item()}
 
 
 def combine_metrics(parts: list[dict]) -> dict:
@@ -113,4 +129,6 @@ def combine_metrics(parts: list[dict]) -> dict:
             out[key] = (min if key.endswith("/min") else max)(values)
         else:
             out[key] = sum(v * p["tokens"] for v, p in zip(values, parts)) / max(total, 1)
+    if "health/v_mean" in out:  # ESS / N = mean(v)^2 / mean(v^2), from the token-weighted means of all parts
+        out["health/ess_frac"] = out["health/v_mean"] ** 2 / max(out.pop("health/v_sq_mean"), 1e-30)
     return out

@@ -2,7 +2,8 @@
 
     python -m minigrpo.plot runs/demo                  # writes ./dashboard.png (RUN may be a URL too)
 
-Panels: reward and eval accuracy; the policy ratio and clip fractions; staleness and what was dropped; where each
+Panels: reward and eval accuracy; the policy ratio and clip fractions; staleness, what was dropped and the
+health of the importance weights (effective sample size, trainer-sampler KL); where each
 step's time went (forward+backward, waiting for rollouts, weight sync); the rollout queue against the generators'
 backpressure (a full queue with backpressure: the trainer is the bottleneck; an empty one with rollout wait: the
 generators are); entropy and completion length.
@@ -49,7 +50,11 @@ def plot_run(run_dir: str, out: str) -> str:
     a.plot(x, col("sample/staleness_mean"), label="staleness mean")
     a.plot(x, col("sample/staleness_max"), label="staleness max")
     a.plot(x, col("sample/dropped_stale_total"), label="dropped stale (total)")
-    a.set_title("staleness (versions behind the trainer)")
+    b = a.twinx()
+    b.plot(x, col("health/ess_frac"), color="C4", lw=0.8, label="health/ess_frac (1 = on-policy)")
+    b.plot(x, col("health/mismatch_kl"), color="C5", lw=0.8, label="health/mismatch_kl")
+    b.legend(loc="upper right", fontsize=8)
+    a.set_title("staleness (versions behind) and off-policy health")
 
     a = ax[1, 0]
     parts = [("perf/fwd_bwd_s", "forward+backward"), ("perf/rollout_wait_s", "rollout wait"), ("perf/weight_sync_s", "weight sync")]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from minigrpo.grpo import advantages, combine_metrics, grpo_loss, is_weights, overlong_penalty, zero_std_groups
+from minigrpo.grpo import advantages, combine_metrics, grpo_loss, health, is_weights, overlong_penalty, zero_std_groups
 from minigrpo.run import RunSettings
 
 close = lambda a, b, tol=1e-6: torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64),
@@ -178,3 +178,17 @@ def test_micro_batches_with_the_global_normaliser_match_the_full_batch(loss_type
 def test_unknown_loss_type_is_named():
     with pytest.raises(ValueError, match="loss_type"):
         grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), "ppo")
+
+
+def test_health_of_equal_weights_is_perfect():
+    m = combine_metrics([health(torch.zeros(5)) | {"tokens": 5}])
+    close([m["health/ess_frac"], m["health/mismatch_kl"], m["health/far_frac"]], [1.0, 0.0, 0.0])
+
+
+def test_health_of_a_known_mismatch_combines_across_micro_batches():
+    # log v = ln 3 on one token, 0 on the other: v = (3, 1), ESS/N = 4^2 / (2 * 10) = 0.8,
+    # k3 = ((3 - 1 - ln 3) + 0) / 2 = 0.45069, and one token of two is more than 2x off
+    parts = [health(torch.tensor([math.log(3)])) | {"tokens": 1}, health(torch.tensor([0.0])) | {"tokens": 1}]
+    m = combine_metrics(parts)
+    close([m["health/ess_frac"], m["health/mismatch_kl"], m["health/far_frac"]], [0.8, (2 - math.log(3)) / 2, 0.5])
+    assert "health/v_sq_mean" not in m
