@@ -233,9 +233,8 @@ def check_settings(saved: dict, cfg) -> list[str]:
             if k not in free and k in saved and saved[k] != v]
 
 
-def step_record(step, version, groups, staleness, rewards, lengths, m, stats, run, ledger, wait_s, fwd_bwd_s,
-                sync_s) -> dict:
-    """The step's metrics: one JSON record in RUN/metrics/train-*.jsonl and one console line."""
+def step_record(step, version, groups, staleness, rewards, lengths, m, stats, run) -> dict:
+    """What the step learned from: one JSON record in RUN/metrics/train-*.jsonl (main() adds the timings)."""
     return {"step": step, "version": version, "loss": m["loss"], "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item(),
             "frac_reward_zero_std": zero_std_groups(rewards, run.group_size).float().mean().item(),
@@ -243,9 +242,7 @@ def step_record(step, version, groups, staleness, rewards, lengths, m, stats, ru
             "completions/truncated_frac": sum(t for g in groups for t in g.truncated) / len(lengths),
             **{k: v for k, v in m.items() if k != "tokens"},
             "sample/staleness_mean": sum(staleness) / len(staleness), "sample/staleness_max": max(staleness),
-            **{f"sample/{k}": v for k, v in stats.items()}, "sample/consumed_pending": ledger.pending(),
-            "perf/rollout_wait_s": wait_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s,
-            "group_ids": [g.group_id for g in groups]}
+            **{f"sample/{k}": v for k, v in stats.items()}, "group_ids": [g.group_id for g in groups]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -329,12 +326,12 @@ def main():
         if step % cfg.sync_every == 0:
             version += 1
             sync_s = publish(store, model, version, peft_config, run, step)
-        record = step_record(step, version, groups, staleness, rewards, lengths, m, stats, run, ledger, wait_s,
-                             fwd_bwd_s, sync_s)
+        record = step_record(step, version, groups, staleness, rewards, lengths, m, stats, run)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             record["eval/accuracy"] = evaluate(engine, tokenizer, task, eval_problems, run, cfg.seed)
-        record |= {"sample/rollout_queue_size": max(0, buffer.count() - ledger.pending()),
-                   "perf/step_s": time.time() - t0, "lr": cfg.lr, "time": time.time()}
+        record |= {"sample/rollout_queue_size": max(0, buffer.count() - ledger.pending()), "perf/rollout_wait_s": wait_s,
+                   "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s, "perf/step_s": time.time() - t0,
+                   "lr": cfg.lr, "time": time.time()}
         acc = f" | eval/accuracy {record['eval/accuracy']:.3f}" if "eval/accuracy" in record else ""
         # the record comes before the checkpoint that covers it: a redone step writes a newer one
         metrics.log(record, f"step {step}/{cfg.max_steps} | reward {record['reward/mean']:.3f} | "

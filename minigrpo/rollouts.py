@@ -208,10 +208,11 @@ class RolloutBuffer:
 
     def collect(self, ids, fault_step: int | None = None):
         """Delete consumed groups (garbage collection; repeating it is harmless)."""
-        for i, gid in enumerate(sorted(ids)):
-            if fault_step is not None and i == len(ids) // 2:
-                fault("mid_gc", fault_step)
-            self.storage.delete(group_key(gid))
+        keys = [group_key(gid) for gid in sorted(ids)]
+        self.storage.delete(keys[:len(keys) // 2])
+        if keys and fault_step is not None:
+            fault("mid_gc", fault_step)
+        self.storage.delete(keys[len(keys) // 2:])
         self.storage.sweep_temps("rollouts")  # half-written files of generators that were killed
 
 

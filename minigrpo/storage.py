@@ -19,6 +19,7 @@ in the run directory can neither hang a reader nor point it outside the run.
 Any failure of the store itself (disk full, permission denied, a bucket's 403 or 5xx after the backend's
 retries) is an OSError whose message names the object; the scripts turn it into one line and exit code 1.
 """
+import contextlib
 import os
 import stat
 import time
@@ -104,14 +105,21 @@ class Storage:
         names = (e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
         return sorted(n for n in names if not (self.local and n.startswith(".")))
 
-    def delete(self, key: str, recursive: bool = False):
-        """Delete an object (or, recursive, everything under a prefix). Deleting what is gone is not an error."""
+    def delete(self, key: "str | list[str]", recursive: bool = False):
+        """Delete an object, a list of them (one bulk request on a bucket), or with recursive everything under
+        a prefix. Deleting what is gone is not an error."""
+        keys = [key] if isinstance(key, str) else key
         try:
-            self.fs.rm(f"{self.root}/{key}", recursive=recursive)
+            if self.local:  # one by one: a missing file must not stop the rest
+                for k in keys:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.rm(f"{self.root}/{k}", recursive=recursive)
+            elif keys:
+                self.fs.rm([f"{self.root}/{k}" for k in keys], recursive=recursive)
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001
-            self._fail("delete", key, e)
+            self._fail("delete", keys[0], e)
 
     def sweep_temps(self, prefix: str, max_age_s: float = 300.0):
         """Local disks only: remove temp files older than max_age_s that a killed writer left behind."""
