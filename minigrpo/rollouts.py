@@ -22,7 +22,8 @@ from minigrpo.run import fault
 
 FORMAT = "minigrpo.group.v1"
 INTS = (torch.int64, torch.int32)
-FLOATS = (torch.float32,)
+DTYPES = {"prompt_ids": INTS, "completion_ids": INTS, "completion_lens": INTS, "behavior_logprobs": (torch.float32,),
+          "rewards": (torch.float32,), "truncated": (torch.bool,)}
 
 
 @dataclass
@@ -56,9 +57,8 @@ def to_tensors(group: Group) -> tuple[dict, dict]:
                "behavior_logprobs": logps, "rewards": torch.tensor(group.rewards, dtype=torch.float32),
                "truncated": torch.tensor(group.truncated, dtype=torch.bool)}
     metadata = {"format": FORMAT, "policy_version": str(group.policy_version), "temperature": repr(group.temperature),
-                "adapter_digest": group.adapter_digest,
-                "generator_id": group.generator_id, "started_at": repr(group.started_at),
-                "finished_at": repr(group.finished_at)}
+                "adapter_digest": group.adapter_digest, "generator_id": group.generator_id,
+                "started_at": repr(group.started_at), "finished_at": repr(group.finished_at)}
     return tensors, metadata
 
 
@@ -66,11 +66,9 @@ def from_tensors(tensors: dict, metadata: dict, group_id: str) -> Group:
     """Inverse of to_tensors, validating as it goes: any inconsistency is a ValueError that says what is wrong."""
     if metadata.get("format") != FORMAT:
         raise ValueError(f"format is {metadata.get('format')!r}, expected {FORMAT!r}")
-    missing = {"prompt_ids", "completion_ids", "completion_lens", "behavior_logprobs", "rewards", "truncated"} - tensors.keys()
-    if missing:
+    if missing := DTYPES.keys() - tensors.keys():
         raise ValueError(f"missing tensors {sorted(missing)}")
-    for name, kinds in (("prompt_ids", INTS), ("completion_ids", INTS), ("completion_lens", INTS),
-                        ("behavior_logprobs", FLOATS), ("rewards", FLOATS), ("truncated", (torch.bool,))):
+    for name, kinds in DTYPES.items():
         if tensors[name].dtype not in kinds:
             raise ValueError(f"{name} has dtype {tensors[name].dtype}, expected one of {[str(k) for k in kinds]}")
     ids, lens, logps = tensors["completion_ids"], tensors["completion_lens"], tensors["behavior_logprobs"]
@@ -91,8 +89,8 @@ def from_tensors(tensors: dict, metadata: dict, group_id: str) -> Group:
                  behavior_logprobs=[row[:k] for row, k in zip(logps.tolist(), lens)],
                  rewards=tensors["rewards"].tolist(), truncated=tensors["truncated"].tolist(),
                  policy_version=int(metadata["policy_version"]), temperature=float(metadata["temperature"]),
-                 adapter_digest=metadata.get("adapter_digest", ""), group_id=group_id, generator_id=metadata.get("generator_id", ""),
-                 started_at=float(metadata.get("started_at", 0)), finished_at=float(metadata.get("finished_at", 0)))
+                 adapter_digest=metadata.get("adapter_digest", ""), group_id=group_id,
+                 generator_id=metadata.get("generator_id", ""), started_at=float(metadata.get("started_at", 0)), finished_at=float(metadata.get("finished_at", 0)))
 
 
 def read_group(data: bytes, group_id: str) -> Group:
