@@ -1,5 +1,5 @@
-"""The vLLM-compatible server as a real process: every shape, status and message of shared/spec/vllm_protocol.md
-that it implements.
+"""The vLLM-compatible server as a real process: the shapes, statuses and messages of vLLM's HTTP API that it
+implements, and a 4xx with a JSON body naming the field for every bad input, without harm to anyone else.
 
     python -m pytest -q tests/test_serve.py
 """
@@ -45,7 +45,7 @@ def test_completion_has_vllms_shape(server):
         if c["finish_reason"] == "stop":
             assert c["token_ids"][-1] == 0 and c["stop_reason"] is None  # EOS: last id, no stop_reason
     usage = out["usage"]
-    assert usage["prompt_tokens"] == 3 * len(PROMPT)
+    assert usage["prompt_tokens"] == len(PROMPT)  # once per prompt, as vLLM counts, whatever n is
     assert usage["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
@@ -62,7 +62,7 @@ def test_batched_prompts_are_prompt_major_and_stop_token_ids_set_stop_reason(ser
 
 
 def test_seeded_requests_repeat_and_max_tokens_defaults_to_16(server):
-    body = {"prompt": PROMPT, "max_tokens": None, "seed": 7, "return_token_ids": True, "ignore_this_field": 1}
+    body = {"prompt": PROMPT, "max_tokens": None, "seed": 7, "return_token_ids": True}
     a, b = post(server, "/v1/completions", body)[2], post(server, "/v1/completions", body)[2]
     assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
     assert len(a["choices"][0]["token_ids"]) <= 16
@@ -71,7 +71,7 @@ def test_seeded_requests_repeat_and_max_tokens_defaults_to_16(server):
 def test_unknown_model_is_404_with_the_valid_aliases(server):
     status, _, out = post(server, "/v1/completions", {"prompt": PROMPT, "model": "nope"})
     assert status == 404 and out["error"] == {"message": "The model `nope` does not exist. Valid aliases: demo.",
-                                              "type": "NotFoundError", "param": None, "code": 404}
+                                              "type": "NotFoundError", "param": "model", "code": 404}
 
 
 @pytest.mark.parametrize("body, match", [({"prompt": []}, "non-empty"), ({"prompt": [1, -2]}, "out of vocabulary"),
@@ -89,10 +89,16 @@ def test_malformed_json_and_unknown_routes(server):
     assert call("GET", server[0] + "/v1/nothing", key=KEY)[:1] == (404,)
 
 
-def test_key_is_required_except_on_health(server):
-    assert call("GET", server[0] + "/v1/models")[0] == 401
+def test_key_guards_the_v1_routes_only_as_vllm_does(server):
+    assert call("GET", server[0] + "/v1/models")[:3] == (401, '{"error": "Unauthorized"}', {"error": "Unauthorized"})
     assert call("GET", server[0] + "/v1/models", key="wrong")[0] == 401
-    assert call("GET", server[0] + "/health")[:2] == (200, "")
+    for path in ("/health", "/ping", "/is_paused", "/get_world_size"):
+        assert call("GET", server[0] + path)[0] == 200, path
+
+
+def test_version_and_ping_answer(server):
+    assert call("GET", server[0] + "/version")[2] == {"version": "0.33.0+minigrpo"}
+    assert call("GET", server[0] + "/ping")[:2] == (200, "") and call("POST", server[0] + "/ping")[0] == 200
 
 
 def test_lora_load_errors_follow_vllm(server, tmp_path):
