@@ -17,7 +17,7 @@ from conftest import call, free_port, start
 
 PROMPT = [2, 3, 11, 4, 5, 12]  # "12+34=" in the demo tokenizer (13 ids, max_model_len 64)
 GOOD = {"prompt": PROMPT, "max_tokens": 4, "seed": 1, "logprobs": 0}
-MSG = [{"role": "user", "content": "12+34"}]
+MSG = [{"role": "user", "content": "12+34="}]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import requests
 from conftest import ROOT, file_digest, free_port, save_random_adapter, start
 
 PROMPT = [2, 3, 11, 4, 5, 12]  # "12+34="
-MESSAGES = [{"role": "user", "content": "12+34"}]
+MESSAGES = [{"role": "user", "content": "12+34="}]
 
 
 @pytest.fixture(scope="module")
