@@ -36,6 +36,7 @@ from minigrpo.scheduler import Adapter, Scheduler
 
 VERSION = "0.33.0+minigrpo"  # the vLLM API this server answers like
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_FACTOR = 1e4  # largest temperature and repetition_penalty: logits are float32, and 1e308 would be inf there
 NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a chat "
                "template if the tokenizer does not define one.")
 SAMPLING = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -160,6 +161,8 @@ class Server:
 
     def sampling(self, body: dict, prompts: list[list[int]], n: int, logprobs: int) -> SamplingParams:
         for p in prompts:
+            if not p:
+                raise P.BadRequest("The decoder prompt cannot be empty", "prompt")  # a text of no tokens
             bad = [t for t in p if not 0 <= t < self.vocab]
             if bad:
                 raise P.BadRequest(f"Token id {bad[0]} is out of vocabulary (size {self.vocab}).", "prompt")
@@ -183,12 +186,12 @@ class Server:
         max_tokens = number(body, "max_completion_tokens", number(body, "max_tokens", 16, 1, integer=True), 1,
                             integer=True)
         return SamplingParams(
-            n=n, temperature=number(body, "temperature", 1.0, 0), top_p=number(body, "top_p", 1.0, 0, 1, open_lo=True),
+            n=n, temperature=number(body, "temperature", 1.0, 0, MAX_FACTOR), top_p=number(body, "top_p", 1.0, 0, 1, open_lo=True),
             seed=seed, stop_token_ids=tuple(stop_ids), logprobs=logprobs, stop=tuple(stop),
             max_tokens=min(max_tokens, self.max_model_len - max(map(len, prompts))),
             ignore_eos=bool(body.get("ignore_eos")), min_tokens=number(body, "min_tokens", 0, 0, max_tokens, True),
             logit_bias=self.logit_bias(body.get("logit_bias")), min_p=number(body, "min_p", 0.0, 0, 1),
-            repetition_penalty=number(body, "repetition_penalty", 1.0, 0, open_lo=True),
+            repetition_penalty=number(body, "repetition_penalty", 1.0, 0, MAX_FACTOR, open_lo=True),
             presence_penalty=number(body, "presence_penalty", 0.0, -2, 2),
             frequency_penalty=number(body, "frequency_penalty", 0.0, -2, 2))
 
