@@ -141,7 +141,7 @@ def test_fuzzed_requests_never_get_a_500_or_a_body_that_is_not_json(server):
         for a in answers:
             status, text, parsed = a.result()
             statuses.append(status)
-            assert status in (200, 400, 404) and parsed is not None, text[:300]
+            assert status in (200, 400, 404) and parsed is not None and "NaN" not in text, text[:300]
     assert statuses.count(400) > 100 and statuses.count(200) > 10  # the fuzz reaches both sides
     assert sorted(health_s)[int(0.99 * len(health_s))] < 0.5
 

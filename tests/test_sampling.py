@@ -35,13 +35,21 @@ def reference_logp(model, prompt, out, sp) -> torch.Tensor:
     if sp.min_p:
         p = logp.exp()
         logp = torch.log_softmax(logp.masked_fill(p < p.max() * sp.min_p, -math.inf), -1)
+    if sp.top_p < 1:  # keep the most likely tokens until their mass reaches top_p
+        mass, keep = 0.0, set()
+        for t in sorted(range(len(logp)), key=lambda t: -logp[t].item()):
+            if mass >= sp.top_p:
+                break
+            keep.add(t)
+            mass += logp[t].exp().item()
+        logp = torch.log_softmax(logp.masked_fill(torch.tensor([t not in keep for t in range(len(logp))]), -math.inf), -1)
     return logp
 
 
 CASES = {"plain": {}, "temperature": {"temperature": 0.6}, "logit_bias": {"logit_bias": {3: 4.0, 4: -100.0}},
          "min_tokens": {"min_tokens": 5}, "repetition_penalty": {"repetition_penalty": 1.8},
          "presence_penalty": {"presence_penalty": 1.5}, "frequency_penalty": {"frequency_penalty": -0.7},
-         "min_p": {"min_p": 0.6}, "all_at_once": {"logit_bias": {2: 2.0}, "min_tokens": 2, "repetition_penalty": 0.7,
+         "min_p": {"min_p": 0.6}, "top_p": {"top_p": 0.5}, "all_at_once": {"top_p": 0.9, "logit_bias": {2: 2.0}, "min_tokens": 2, "repetition_penalty": 0.7,
                                                    "presence_penalty": -0.5, "frequency_penalty": 0.4, "min_p": 0.05,
                                                    "temperature": 1.3}}
 
