@@ -95,13 +95,14 @@ class Server:
         self.scheduler = Scheduler(self.model, engine, self.name, cfg.max_lora_rank, cfg.max_loras,
                                    cfg.max_batch_rows, cfg.max_cpu_loras)
         self.vocab, self.max_model_len = self.model.config.vocab_size, self.model.config.max_position_embeddings
-        # a text longer than this has more than max_model_len tokens: refused before it is tokenized
+        # a text longer than this cannot fit in max_model_len tokens: refused before it is tokenized
         self.max_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
 
     # ---- checking a request ----
     def check_fields(self, body: dict, route: str):
-        for key in body.keys() - FIELDS[route]:
-            raise P.BadRequest(f"{key} is not supported by this server", key)
+        unknown = sorted(body.keys() - FIELDS[route])
+        if unknown:
+            raise P.BadRequest(f"{unknown[0]} is not supported by this server", unknown[0])
         for key, allowed in OFF.items():
             if body.get(key) not in allowed:
                 raise P.BadRequest(f"{key}={body[key]!r} is not supported by this server", key)
@@ -236,6 +237,8 @@ class Server:
         if body.get("logprobs") not in (None, True, False):
             raise P.BadRequest(f"logprobs must be true or false, got {body['logprobs']!r}", "logprobs")
         top = number(body, "top_logprobs", 0, 0, min(MAX_LOGPROBS, self.vocab), integer=True)
+        if top and not body.get("logprobs"):
+            raise P.BadRequest("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
         prompts = await self.chat_prompt(body)
         self.check_rows(1, n, "n")
         out = await self.scheduler.submit(model, prompts, self.sampling(body, prompts, n, top))

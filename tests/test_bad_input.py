@@ -96,6 +96,8 @@ BAD = [  # (route, raw body, status, start of the message, param)
     ("chat/completions", json.dumps({"messages": MSG, "echo": True}), 400, "echo is not supported", "echo"),
     ("chat/completions", json.dumps({"messages": MSG, "logprobs": True, "top_logprobs": 30}), 400,
      "top_logprobs must be an integer in [0, 13], got 30", "top_logprobs"),
+    ("chat/completions", json.dumps({"messages": MSG, "top_logprobs": 2}), 400,
+     "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"),
     ("chat/completions", json.dumps({"messages": MSG, "logprobs": 1.5}), 400, "logprobs must be true or false",
      "logprobs"),
 ]
@@ -116,15 +118,17 @@ def test_bad_input_gets_a_json_error_naming_the_field_and_harms_no_one(server, r
     assert health == 200 and health_s < 1.0
 
 
-def fuzz_body(rng: random.Random) -> str:
+def fuzz_body(rng: random.Random, route: str = "completions") -> str:
     """A valid request with one to three fields replaced by odd values, and sometimes a field nobody knows."""
     body = {"prompt": PROMPT, "n": 2, "max_tokens": 4, "temperature": 0.8, "top_p": 0.9, "seed": 3, "logprobs": 1,
             "stop": ["9"], "stop_token_ids": [12], "min_tokens": 1, "logit_bias": {"3": 1.0}, "min_p": 0.05,
             "repetition_penalty": 1.1, "presence_penalty": 0.1, "frequency_penalty": 0.1, "return_token_ids": True}
+    if route == "chat/completions":
+        body = {k: v for k, v in body.items() if k != "prompt"} | {"messages": MSG, "logprobs": True, "top_logprobs": 1}
     odd = [None, True, False, 0, -1, 1, 2, 63, 64, 2**63, -2**70, 0.5, -0.5, 1e308, math.nan, math.inf, -math.inf, "",
            "1", "\x00", "\udcff", [], [0], [-1], [13], [[2, 3], []], [[2, 3], "12"], {}, {"99": 1}, {"1": math.nan},
-           "9" * 300, [2] * 70]
-    for key in rng.sample(sorted(body) + ["best_of", "prompt"], rng.randint(1, 3)):
+           "9" * 300, [2] * 70, [{"role": "user"}], [{"role": "user", "content": "1" * 900}], [{"content": "1"}]]
+    for key in rng.sample(sorted(body) + ["best_of", "prompt", "messages"], rng.randint(1, 3)):
         body[key] = rng.choice(odd)
     return json.dumps(body)
 
@@ -132,8 +136,8 @@ def fuzz_body(rng: random.Random) -> str:
 def test_fuzzed_requests_never_get_a_500_or_a_body_that_is_not_json(server):
     rng, statuses, health_s = random.Random(0), [], []
     with ThreadPoolExecutor(4) as pool:
-        answers = [pool.submit(call, "POST", server + "/v1/completions", raw=fuzz_body(rng).encode())
-                   for _ in range(300)]
+        routes = ["completions", "chat/completions"] * 150
+        answers = [pool.submit(call, "POST", f"{server}/v1/{r}", raw=fuzz_body(rng, r).encode()) for r in routes]
         while not all(a.done() for a in answers):
             t0 = time.time()
             assert call("GET", server + "/health")[0] == 200
