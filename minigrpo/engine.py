@@ -61,7 +61,7 @@ def nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def min_p_filter(logp: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Min-p: drop tokens whose probability is below min_p times the top one's, renormalised. logp (B, V), min_p (B,)."""
+    """Min-p: drop tokens less likely than min_p times the top one, renormalised. logp (B, V), min_p (B,)."""
     p = logp.exp()  # (B, V)
     drop = p < p.max(-1, keepdim=True).values * min_p[:, None]
     return torch.log_softmax(logp.masked_fill(drop, float("-inf")), -1)
@@ -113,7 +113,8 @@ class LogitProcessors:
 
 class TorchEngine:
     def __init__(self, model, stop_ids: list[int], pad_id: int, seed: int = 0, decode=None):
-        self.model, self.stop_ids, self.pad_id, self.decode = model, list(stop_ids), pad_id, decode  # decode: stop strings
+        self.model, self.stop_ids, self.pad_id = model, list(stop_ids), pad_id
+        self.decode = decode  # token ids -> text, needed only for stop strings
         self.device = next(model.parameters()).device
         self.rng = torch.Generator(self.device).manual_seed(seed)  # for rows without a seed of their own
         self.version, self.digest = None, ""  # adapter version now loaded, and its digest

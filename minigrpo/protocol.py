@@ -86,7 +86,8 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
     try:
         return await asyncio.wait_for(request.read(), timeout_s)
     except asyncio.TimeoutError:
-        raise BadRequest(f"the request body did not arrive within {timeout_s:g}s", None, 408, "RequestTimeout") from None
+        message = f"the request body did not arrive within {timeout_s:g}s"
+        raise BadRequest(message, None, 408, "RequestTimeout") from None
 
 
 async def read_json(request: web.Request, timeout_s: float) -> dict:

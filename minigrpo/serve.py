@@ -168,17 +168,17 @@ class Server:
             if bad:
                 raise P.BadRequest(f"Token id {bad[0]} is out of vocabulary (size {self.vocab}).", "prompt")
             if len(p) >= self.max_model_len:
-                raise P.BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                                   f"request has {len(p)} input tokens. Please reduce the length of the input messages.",
-                                   "prompt")
+                raise P.BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                   f"your request has {len(p)} input tokens. Please reduce the length of the input "
+                                   "messages.", "prompt")
         seed = body.get("seed")
         if seed is not None and (type(seed) is not int or not -2**63 <= seed < 2**63):
             raise P.BadRequest(f"seed must be an int64, got {seed!r}", "seed")
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
+        stop = body.get("stop")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
         if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
             raise P.BadRequest("stop must be a non-empty string or a list of them", "stop")
-        stop_ids = body.get("stop_token_ids") or []
+        stop_ids = [] if body.get("stop_token_ids") is None else body["stop_token_ids"]
         if not (isinstance(stop_ids, list) and all(type(t) is int and 0 <= t < self.vocab for t in stop_ids)):
             raise P.BadRequest(f"stop_token_ids must be a list of token ids in [0, {self.vocab})", "stop_token_ids")
         for key in ("ignore_eos", "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids"):
@@ -187,8 +187,9 @@ class Server:
         max_tokens = number(body, "max_completion_tokens", number(body, "max_tokens", 16, 1, integer=True), 1,
                             integer=True)
         return SamplingParams(
-            n=n, temperature=number(body, "temperature", 1.0, 0, MAX_FACTOR), top_p=number(body, "top_p", 1.0, 0, 1, open_lo=True),
-            seed=seed, stop_token_ids=tuple(stop_ids), logprobs=logprobs, stop=tuple(stop),
+            n=n, temperature=number(body, "temperature", 1.0, 0, MAX_FACTOR), seed=seed,
+            top_p=number(body, "top_p", 1.0, 0, 1, open_lo=True), stop_token_ids=tuple(stop_ids), logprobs=logprobs,
+            stop=tuple(stop),
             max_tokens=min(max_tokens, self.max_model_len - max(map(len, prompts))),
             ignore_eos=bool(body.get("ignore_eos")), min_tokens=number(body, "min_tokens", 0, 0, max_tokens, True),
             logit_bias=self.logit_bias(body.get("logit_bias")), min_p=number(body, "min_p", 0.0, 0, 1),
@@ -198,10 +199,10 @@ class Server:
 
     def logit_bias(self, bias) -> dict | None:
         """{token id: bias}, clamped to [-100, 100] as vLLM does; keys are JSON strings of ids, as OpenAI sends."""
-        if not bias:
+        if bias is None:
             return None
-        if not (isinstance(bias, dict) and all(k.isdigit() and type(v) in (int, float) and math.isfinite(v)
-                                               for k, v in bias.items())):
+        if not (isinstance(bias, dict) and all(k.isascii() and k.isdigit() and len(k) < 10 and type(v) in (int, float)
+                                               and math.isfinite(v) for k, v in bias.items())):
             raise P.BadRequest("logit_bias must map token ids to finite numbers", "logit_bias")
         bad = sorted(int(k) for k in bias if int(k) >= self.vocab)
         if bad:
@@ -218,14 +219,15 @@ class Server:
         logprobs = 0 if lp is None else number(body, "logprobs", 0, 0, min(MAX_LOGPROBS, self.vocab), integer=True)
         prompts = await self.prompts(body, n)
         out = await self.scheduler.submit(model, prompts, self.sampling(body, prompts, n, logprobs))
-        name = (lambda t: f"token_id:{t}") if body.get("return_tokens_as_token_ids") else (lambda t: self.decode([t], False))
+        as_ids = body.get("return_tokens_as_token_ids")
+        name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: self.decode([t], False))
         choices = []
         for prompt, group in zip(prompts, out if not isinstance(out, Exception) else []):
             for c in group:
                 choice = self.choice(len(choices), c, body, model)
                 choice["logprobs"] = self.completion_logprobs(c, name) if lp is not None else None
-                choice |= {"prompt_logprobs": None, "prompt_token_ids": prompt if body.get("return_token_ids") else None,
-                           "routed_experts": None}
+                choice |= {"prompt_logprobs": None, "routed_experts": None,
+                           "prompt_token_ids": prompt if body.get("return_token_ids") else None}
                 choices.append(choice)
         return self.respond(out, prompts, model, {"object": "text_completion", "choices": choices,
                                                   "ec_transfer_params": None, "metrics": None}, "cmpl")
@@ -270,8 +272,9 @@ class Server:
     def chat_logprobs(self, c, top: int) -> dict:
         entry = lambda t, lp: {"token": self.decode([t], False), "logprob": max(lp, -9999.0),
                                "bytes": list(self.decode([t], False).encode())}
-        return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, b) for a, b in list((alts or {}).items())[:top]]}
-                            for t, lp, alts in zip(c.token_ids, c.logprobs, c.top_logprobs or [None] * len(c.token_ids))]}
+        alternatives = c.top_logprobs or [{}] * len(c.token_ids)
+        return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, b) for a, b in list(alts.items())[:top]]}
+                            for t, lp, alts in zip(c.token_ids, c.logprobs, alternatives)]}
 
     def respond(self, out, prompts: list[list[int]], model: str, body: dict, prefix: str) -> web.Response:
         if isinstance(out, Exception):
@@ -283,7 +286,8 @@ class Server:
             "id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model, **body,
             "service_tier": None, "system_fingerprint": None, "kv_transfer_params": None,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion,
-                      "completion_tokens": completion, "prompt_tokens_details": None, "completion_tokens_details": None}},
+                      "completion_tokens": completion, "prompt_tokens_details": None,
+                      "completion_tokens_details": None}},
             headers={P.ADAPTER_HEADER: model, P.DIGEST_HEADER: digest})
 
     # ---- runtime LoRA ----

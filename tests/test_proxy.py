@@ -156,12 +156,14 @@ def test_one_name_never_holds_two_sets_of_weights(fleet):
     p1, p2 = fleet["dir"] / "w1", fleet["dir"] / "w2"
     save_random_adapter(p1, seed=21)
     save_random_adapter(p2, seed=22)
-    refused = (400, {"error": {"message": already_loaded("one"), "type": "InvalidUserInput", "param": None, "code": 400}})
+    refused = (400, {"error": {"message": already_loaded("one"), "type": "InvalidUserInput", "param": None,
+                               "code": 400}})
     assert load(fleet, "one", p1)[0] == 200
     assert load(fleet, "one", p2)[::2] == refused and roots(fleet, "one") == [str(p1)] * 2
     assert load(fleet, "one", p1)[0] == 400 and roots(fleet, "one") == [str(p1)] * 2  # same path: nothing changes
     # replica B got the name from elsewhere: a load through the proxy is refused and undone on replica A
-    call("POST", fleet["replicas"][1] + "/v1/load_lora_adapter", {"lora_name": "two", "lora_path": str(p2)}, key=UPSTREAM)
+    call("POST", fleet["replicas"][1] + "/v1/load_lora_adapter", {"lora_name": "two", "lora_path": str(p2)},
+         key=UPSTREAM)
     status, _, out = load(fleet, "two", p1)
     assert (status, out["error"]["message"]) == (400, already_loaded("two")) and roots(fleet, "two") == [None, str(p2)]
 
@@ -186,7 +188,8 @@ def test_http_engine_catches_a_replica_serving_other_weights_under_the_name(flee
     replica = fleet["replicas"][0]
     engine = HttpEngine(replica, UPSTREAM)
     engine.load_adapter(1, str(p1))
-    assert {c.adapter_digest for c in engine.generate([PROMPT], SamplingParams(n=2, max_tokens=3))[0]} == {file_digest(p1)}
+    digests = {c.adapter_digest for c in engine.generate([PROMPT], SamplingParams(n=2, max_tokens=3))[0]}
+    assert digests == {file_digest(p1)}
     call("POST", replica + "/v1/load_lora_adapter", {"lora_name": p1.name, "lora_path": str(p2), "load_inplace": True},
          key=UPSTREAM)  # someone swaps the weights behind the name
     swapped = {c.adapter_digest for c in engine.generate([PROMPT], SamplingParams(n=2, max_tokens=3))[0]}

@@ -42,16 +42,17 @@ def reference_logp(model, prompt, out, sp) -> torch.Tensor:
                 break
             keep.add(t)
             mass += logp[t].exp().item()
-        logp = torch.log_softmax(logp.masked_fill(torch.tensor([t not in keep for t in range(len(logp))]), -math.inf), -1)
+        drop = torch.tensor([t not in keep for t in range(len(logp))])
+        logp = torch.log_softmax(logp.masked_fill(drop, -math.inf), -1)
     return logp
 
 
 CASES = {"plain": {}, "temperature": {"temperature": 0.6}, "logit_bias": {"logit_bias": {3: 4.0, 4: -100.0}},
          "min_tokens": {"min_tokens": 5}, "repetition_penalty": {"repetition_penalty": 1.8},
          "presence_penalty": {"presence_penalty": 1.5}, "frequency_penalty": {"frequency_penalty": -0.7},
-         "min_p": {"min_p": 0.6}, "top_p": {"top_p": 0.5}, "all_at_once": {"top_p": 0.9, "logit_bias": {2: 2.0}, "min_tokens": 2, "repetition_penalty": 0.7,
-                                                   "presence_penalty": -0.5, "frequency_penalty": 0.4, "min_p": 0.05,
-                                                   "temperature": 1.3}}
+         "min_p": {"min_p": 0.6}, "top_p": {"top_p": 0.5},
+         "all_at_once": {"top_p": 0.9, "logit_bias": {2: 2.0}, "min_tokens": 2, "repetition_penalty": 0.7,
+                         "presence_penalty": -0.5, "frequency_penalty": 0.4, "min_p": 0.05, "temperature": 1.3}}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -225,7 +225,8 @@ def seeded(server, model):
 
 def test_refused_adapters_leave_the_active_one_serving_exactly_as_before(server, tmp_path):
     save_random_adapter(tmp_path / "steady", r=2, alpha=4, seed=4)
-    assert post(server, "/v1/load_lora_adapter", {"lora_name": "steady", "lora_path": str(tmp_path / "steady")})[0] == 200
+    assert post(server, "/v1/load_lora_adapter", {"lora_name": "steady", "lora_path": str(tmp_path / "steady")})[0] \
+        == 200
     before = seeded(server, "steady")
     for name, (path, message) in broken_adapters(tmp_path).items():
         status, _, out = post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
@@ -237,7 +238,8 @@ def test_refused_adapters_leave_the_active_one_serving_exactly_as_before(server,
 def test_an_evicted_adapter_is_checked_again_when_it_is_read_back(server, tmp_path):
     for i in range(3):  # --max_cpu_loras 2: e0 leaves the cache
         save_random_adapter(tmp_path / f"e{i}", seed=10 + i)
-        assert post(server, "/v1/load_lora_adapter", {"lora_name": f"e{i}", "lora_path": str(tmp_path / f"e{i}")})[0] == 200
+        body = {"lora_name": f"e{i}", "lora_path": str(tmp_path / f"e{i}")}
+        assert post(server, "/v1/load_lora_adapter", body)[0] == 200
     before = seeded(server, "e1")
     from safetensors.torch import load_file, save_file
     weights = tmp_path / "e0" / "adapter_model.safetensors"
