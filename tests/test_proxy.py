@@ -173,6 +173,8 @@ def test_the_proxy_answers_malformed_input_with_json_4xx(fleet):
     assert call("POST", url, raw=b"[" * 100_000, key=CLIENT)[::2] == (400, {"error": {
         "message": "the body nests too deeply to parse", "type": "BadRequestError", "param": None, "code": 400}})
     assert raw_authorization(url, b"Bearer \xff\xfe") == (401, {"error": "Unauthorized"})
+    status, _, out = call("POST", url, raw=b'{"prompt": "\\udcff", "model": "\\udcff"}', key=CLIENT)  # a lone surrogate
+    assert status == 404 and out["error"]["param"] == "model"
     status, _, out = call("POST", url, raw=b'{"prompt": [2, 3], "temperature": NaN}', key=CLIENT)
     assert status == 400 and out["error"]["param"] == "temperature"
     assert call("POST", fleet["proxy"] + "/v1/load_lora_adapter", raw=b'{"lora_name": "x", "lora_path": 1e999',
