@@ -10,18 +10,22 @@ What goes where:
     in X-Proxy-Upstream;
   - POST /v1/load_lora_adapter: sent to every replica, all or nothing. A replica answering "No adapter found" is
     retried until --load_timeout_s (its bucket mount may lag); on any failure the replicas that accepted unload
-    it again, and the answer is the failure;
+    it again, and the answer is the failure. One name means one set of weights: when a replica already holds
+    the name from another path, the load is refused (vLLM's 400 "has already been loaded") and undone everywhere;
+    from the same path it is idempotent;
   - POST /v1/unload_lora_adapter, /pause, /resume, /reset_prefix_cache: sent to every replica, answered as one
     vLLM server would answer (an unload no replica knows is a 404);
   - GET /health: 200 only when every replica answers 200; GET /proxy/stats: the counters;
   - anything else (/v1/models, /server_info, ...): forwarded to one replica, round-robin.
-Clients authenticate with --api_key; replicas get --upstream_token (or HF_TOKEN) and never the client's key.
+Clients authenticate with --api_key on /v1 routes, as with vLLM's --api-key; replicas get --upstream_token (or
+HF_TOKEN) and never the client's key. Bad input gets the same 4xx JSON answers as from minigrpo/serve.py (the
+rules live once, in minigrpo/protocol.py), and the X-Adapter-* attribution headers pass through.
 
 Left out on purpose: streaming (answers are buffered whole, which RL rollouts do not mind) and retrying a request
 on another replica after it reached one (sampling is not idempotent for the caller's bookkeeping).
 """
 import asyncio
-import hmac
+import collections
 import json
 import os
 import time
@@ -31,11 +35,8 @@ import aiohttp
 from aiohttp import web
 from transformers import HfArgumentParser
 
+from minigrpo import protocol as P
 from minigrpo.router import PrefixRouter
-
-# never passed through in either direction: hop-by-hop headers, credentials, and what aiohttp recomputes
-DROP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-                "transfer-encoding", "upgrade", "host", "authorization", "content-length", "content-encoding"}
 
 
 @dataclass
@@ -54,6 +55,8 @@ class ProxyConfig:
     retry_s: float = field(default=2.0, metadata={"help": "interval between those retries"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "a replica that takes longer gets a 504"})
     max_body_mb: int = field(default=16, metadata={"help": "largest request body accepted"})
+    header_timeout_s: float = field(default=30.0, metadata={"help": "close a connection whose request head is this late"})
+    body_timeout_s: float = field(default=30.0, metadata={"help": "answer 408 to a body that takes longer to arrive"})
 
 
 @dataclass
@@ -68,24 +71,30 @@ class Answer:
         return self.body.decode(errors="replace")
 
 
+def utf8(s) -> str:
+    """s as text the router can hash: JSON may carry lone surrogates ("\\udcff"), which UTF-8 cannot encode."""
+    return str(s).encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
 class Proxy:
     def __init__(self, cfg: ProxyConfig):
         self.cfg, self.upstreams = cfg, [u.rstrip("/") for u in cfg.upstream]
         self.router = PrefixRouter(len(self.upstreams), cfg.block_size, cfg.imbalance, cfg.max_blocks)
         self.inflight, self.routed, self.next_rr = [0] * len(self.upstreams), [0] * len(self.upstreams), 0
-        token = cfg.upstream_token or os.environ.get("HF_TOKEN", "")
-        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self.auth = P.bearer(cfg.upstream_token or os.environ.get("HF_TOKEN", ""))
+        self.loading = collections.defaultdict(asyncio.Lock)  # one load per adapter name at a time
         self.session = None
 
-    async def send(self, i: int, request: web.Request, body: bytes | None, path: str | None = None) -> Answer:
+    async def send(self, i: int, request: web.Request, body: bytes | None, path: str | None = None,
+                   method: str | None = None) -> Answer:
         """Forward to replica i with the client's headers minus credentials and hop-by-hop ones."""
         url = self.upstreams[i] + (path or request.path)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in DROP_HEADERS} | self.auth
+        headers = P.forwardable(request.headers) | self.auth
         self.inflight[i] += 1
         try:
-            async with self.session.request(request.method, url, params=request.query, data=body, headers=headers) as r:
-                kept = {k: v for k, v in r.headers.items() if k.lower() not in DROP_HEADERS}
-                return Answer(r.status, await r.read(), kept)
+            async with self.session.request(method or request.method, url, params=request.query, data=body,
+                                            headers=headers) as r:
+                return Answer(r.status, await r.read(), P.forwardable(r.headers))
         except asyncio.TimeoutError:
             return Answer(504, f"proxy: {self.upstreams[i]}: timed out after {self.cfg.request_timeout_s:.0f}s".encode(), {})
         except aiohttp.ClientConnectorError as e:
@@ -107,18 +116,18 @@ class Proxy:
                 f"{answers[i].status} {answers[i].text[:300]}")
 
     # ---- routes ----
+    async def body(self, request: web.Request) -> bytes:
+        return await P.read_body(request, self.cfg.body_timeout_s)
+
     async def completions(self, request: web.Request):
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-            prompt, model = body.get("prompt", body.get("messages")), str(body.get("model") or "")
-        except (ValueError, AttributeError):
-            return web.json_response({"error": {"message": "the body is not a JSON object", "type": "BadRequestError",
-                                                 "param": None, "code": 400}}, status=400)
+        raw = await self.body(request)
+        body = P.parse_json(raw)
+        prompt, model = body.get("prompt", body.get("messages")), utf8(body.get("model") or "")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
             prompt = prompt[0]  # a batch of prompts is routed by its first one
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt))):
             prompt = json.dumps(prompt)
+        prompt = utf8(prompt) if isinstance(prompt, str) else prompt
         pick, _ = self.router.choose(model, prompt, self.inflight)
         others = sorted((i for i in range(len(self.upstreams)) if i != pick), key=lambda i: self.inflight[i])
         for i in [pick] + others:  # go on to the next replica only when this one cannot be reached at all
@@ -129,34 +138,45 @@ class Proxy:
         return self.reply(answer, **{"X-Proxy-Upstream": str(i)})
 
     async def load_lora(self, request: web.Request):
-        raw = await request.read()
-        try:
-            name = json.loads(raw).get("lora_name", "?")
-        except (ValueError, AttributeError):
-            name = "?"  # the replicas will say what is wrong with the body
+        raw = await self.body(request)
+        body = P.parse_json(raw)
+        name, path = str(body.get("lora_name")), body.get("lora_path")
 
         async def load(i):  # retry while the replica cannot see the directory yet
             deadline = time.time() + self.cfg.load_timeout_s
             while True:
                 a = await self.send(i, request, raw)
-                if a.status == 200 or "No adapter found" not in a.text or time.time() > deadline:
+                if a.status == 200 or P.NO_ADAPTER not in a.text or time.time() > deadline:
                     return a
                 await asyncio.sleep(self.cfg.retry_s)
 
-        answers = await asyncio.gather(*(load(i) for i in range(len(self.upstreams))))
-        loaded = [i for i, a in enumerate(answers) if a.status == 200]
-        already = [i for i, a in enumerate(answers) if a.status == 400 and "already been loaded" in a.text]
-        bad = [i for i in range(len(answers)) if i not in loaded and i not in already]
-        if not bad:  # everywhere now; if every replica had it already, say so as one server would
-            return self.reply(answers[loaded[0]] if loaded else answers[0])
-        for i in loaded:  # all or nothing: take it back where it went in
-            await self.send(i, request, json.dumps({"lora_name": name}).encode(), path="/v1/unload_lora_adapter")
-        status = 504 if "No adapter found" in answers[bad[0]].text else answers[bad[0]].status
+        async with self.loading[name]:
+            answers = await asyncio.gather(*(load(i) for i in range(len(self.upstreams))))
+            loaded = [i for i, a in enumerate(answers) if a.status == 200]
+            already = [i for i, a in enumerate(answers) if a.status == 400 and P.LOADED in a.text]
+            bad = [i for i in range(len(answers)) if i not in loaded and i not in already]
+            other_weights = not bad and any(root != path for root in await asyncio.gather(
+                *(self.root(i, request, name) for i in already)))
+            if not bad and not other_weights:  # everywhere now; if every replica had it, say so as one server would
+                return self.reply(answers[loaded[0]] if loaded else answers[0])
+            for i in loaded:  # all or nothing: take it back where it went in
+                await self.send(i, request, json.dumps({"lora_name": name}).encode(), path=P.UNLOAD)
+        if other_weights:
+            return P.error(400, P.already_loaded(name), "InvalidUserInput")
+        status = 504 if P.NO_ADAPTER in answers[bad[0]].text else answers[bad[0]].status
         message = self.failure(f"to load {name}; rolled back on the others.", answers, bad)
         return web.Response(status=status, text=message)
 
+    async def root(self, i: int, request: web.Request, name: str) -> str | None:
+        """The path replica i serves adapter `name` from, per its /v1/models."""
+        a = await self.send(i, request, None, path=P.MODELS, method="GET")
+        try:
+            return next((m.get("root") for m in json.loads(a.body)["data"] if m.get("id") == name), None)
+        except (ValueError, KeyError, TypeError):
+            return None
+
     async def unload_lora(self, request: web.Request):
-        answers = await self.broadcast(request, await request.read())
+        answers = await self.broadcast(request, await self.body(request))
         ok = [a for a in answers if a.status == 200]
         bad = [i for i, a in enumerate(answers) if a.status not in (200, 404)]
         if bad:
@@ -164,7 +184,7 @@ class Proxy:
         return self.reply(ok[0] if ok else answers[0])  # 404 only when no replica knew the name
 
     async def everywhere(self, request: web.Request):
-        answers = await self.broadcast(request, await request.read())
+        answers = await self.broadcast(request, await self.body(request))
         bad = [i for i, a in enumerate(answers) if a.status != 200]
         if bad:
             return web.Response(status=answers[bad[0]].status, text=self.failure(request.path, answers, bad))
@@ -185,26 +205,15 @@ class Proxy:
     async def forward(self, request: web.Request):
         i = self.next_rr % len(self.upstreams)
         self.next_rr += 1
-        return self.reply(await self.send(i, request, await request.read()))
+        return self.reply(await self.send(i, request, await self.body(request)))
 
 
 def make_app(proxy: Proxy, api_key: str) -> web.Application:
-    @web.middleware
-    async def guard(request, handler):
-        if api_key and request.path != "/health":
-            if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {api_key}".encode()):
-                return web.json_response({"error": "Unauthorized"}, status=401)
-        try:
-            return await handler(request)
-        except web.HTTPRequestEntityTooLarge:
-            return web.json_response({"error": {"message": "the request body is too large", "type": "BadRequestError",
-                                                "param": None, "code": 413}}, status=413)
-
-    app = web.Application(middlewares=[guard], client_max_size=proxy.cfg.max_body_mb * 2**20)
-    app.add_routes([web.post("/v1/completions", proxy.completions), web.post("/v1/chat/completions", proxy.completions),
-                    web.post("/v1/load_lora_adapter", proxy.load_lora), web.post("/v1/unload_lora_adapter", proxy.unload_lora),
-                    *[web.post(p, proxy.everywhere) for p in ("/pause", "/resume", "/reset_prefix_cache")],
-                    web.get("/health", proxy.health), web.get("/ping", proxy.health), web.get("/proxy/stats", proxy.stats),
+    app = web.Application(middlewares=[P.guard(api_key)], client_max_size=proxy.cfg.max_body_mb * 2**20)
+    app.add_routes([web.post(P.COMPLETIONS, proxy.completions), web.post(P.CHAT, proxy.completions),
+                    web.post(P.LOAD, proxy.load_lora), web.post(P.UNLOAD, proxy.unload_lora),
+                    *[web.post(p, proxy.everywhere) for p in P.EVERY_REPLICA],
+                    web.get(P.HEALTH, proxy.health), web.get(P.PING, proxy.health), web.get("/proxy/stats", proxy.stats),
                     web.route("*", "/{tail:.*}", proxy.forward)])
 
     async def session(app):
@@ -226,7 +235,7 @@ def main():
         raise SystemExit("set --api_key KEY (or MINIGRPO_API_KEY), or pass --no_auth to run without client auth")
     shown = asdict(cfg) | {"api_key": "***" if api_key else "", "upstream_token": "***" if cfg.upstream_token else ""}
     print(f"proxy on http://{cfg.host}:{cfg.port} -> {len(cfg.upstream)} replicas\n  {shown}", flush=True)
-    web.run_app(make_app(Proxy(cfg), api_key), host=cfg.host, port=cfg.port, print=None)
+    P.run(make_app(Proxy(cfg), api_key), cfg.host, cfg.port, cfg.header_timeout_s)
 
 
 if __name__ == "__main__":

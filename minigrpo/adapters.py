@@ -12,14 +12,9 @@ max_staleness + 1 versions and deletes a directory one publish after it leaves t
 still re-read an evicted adapter from its path. The adapter's digest (the first 16 hex digits of the sha256 of
 its weights file) lets the trainer check that a sampler really used the version it claims.
 """
-import hashlib
 import re
 
-from minigrpo.lora import adapter_files
-
-
-def digest(weights: bytes) -> str:
-    return hashlib.sha256(weights).hexdigest()[:16]
+from minigrpo.lora import adapter_digest, adapter_files
 
 
 class AdapterStore:
@@ -58,7 +53,7 @@ class AdapterStore:
         files = adapter_files(state, config)
         for file, data in files.items():
             self.storage.put(f"adapters/{self.name(version)}/{file}", data)
-        self.digests[version] = digest(files["adapter_model.safetensors"])
+        self.digests[version] = adapter_digest(files["adapter_model.safetensors"])
 
     def set_latest(self, version: int, keep: int):
         """Point LATEST at a written version, then delete versions that left the window one publish ago."""
@@ -72,7 +67,7 @@ class AdapterStore:
         """The digest of a version's weights ("" if it is gone), computed once."""
         if version not in self.digests:
             try:
-                self.digests[version] = digest(self.storage.get(f"adapters/{self.name(version)}/adapter_model.safetensors"))
+                self.digests[version] = adapter_digest(self.storage.get(f"adapters/{self.name(version)}/adapter_model.safetensors"))
             except FileNotFoundError:
                 return ""
         return self.digests[version]

@@ -23,11 +23,15 @@ from minigrpo.model import DEMO_MODEL
 from minigrpo.tasks import ReverseAddition, score
 
 CHARS = "0123456789+="
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def build_tokenizer() -> Qwen2Tokenizer:
-    """<|endoftext|> (id 0) is EOS and padding, as in Qwen base models; no BOS."""
-    return Qwen2Tokenizer(vocab={"<|endoftext|>": 0} | {c: i + 1 for i, c in enumerate(CHARS)}, merges=[])
+    """<|endoftext|> (id 0) is EOS and padding, as in Qwen base models; no BOS. The chat template only joins the
+    messages' contents, so a templated prompt is the plain prompt: [{"role": "user", "content": "12+34="}] -> "12+34="."""
+    tokenizer = Qwen2Tokenizer(vocab={"<|endoftext|>": 0} | {c: i + 1 for i, c in enumerate(CHARS)}, merges=[])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_model(tokenizer, seed: int) -> Qwen2ForCausalLM:

@@ -5,7 +5,11 @@ token was actually drawn from. The trainer reproduces exactly that number, so at
     engine.load_adapter(version, path)        switch to a published adapter, between batches
     engine.generate(prompts, params)          -> list (per prompt) of lists (per sample) of Completion
 
-TorchEngine is built in (CPU or GPU): batched sampling over the LoRA-wrapped model with a KV cache.
+TorchEngine is built in (CPU or GPU): batched sampling over the LoRA-wrapped model with a KV cache. It applies
+vLLM's sampling parameters in vLLM's order (vllm/v1/sample/sampler.py): logit_bias and min_tokens, then the
+repetition, frequency and presence penalties, then temperature, min_p and top_p. The log-prob of a token is taken
+after all of them, as `vllm serve --logprobs-mode processed_logprobs` reports it. Each processor is built only
+when a row of the batch uses it, so plain temperature sampling pays for none.
 """
 import inspect
 from dataclasses import dataclass
@@ -26,6 +30,14 @@ class SamplingParams:
     seed: int | None = None  # None: the engine's own generator
     stop_token_ids: tuple = ()  # stop on these as well as on the model's EOS ids
     logprobs: int = 0  # also return this many top alternatives per token (the sampled token is always scored)
+    stop: tuple = ()  # stop strings: the text ends before the first one that appears (needs the engine's decode)
+    ignore_eos: bool = False  # keep going past the model's EOS ids
+    min_tokens: int = 0  # stop ids are banned until this many tokens are out
+    logit_bias: dict | None = None  # {token_id: bias} added to the logits
+    repetition_penalty: float = 1.0  # > 1 discourages every token seen in the prompt or the output so far
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
 
 
 @dataclass
@@ -34,7 +46,9 @@ class Completion:
     logprobs: list[float]  # behaviour log-prob of each sampled token
     finish_reason: str  # "stop" (a stop token was sampled) or "length" (hit max_tokens)
     top_logprobs: list[dict] | None = None  # per token {token_id: logprob} of the top alternatives, when asked
-    adapter_digest: str = ""  # digest of the adapter weights that sampled it, when the sampler knows it
+    stop_reason: int | str | None = None  # the stop_token_ids id or the stop string that ended it (None for EOS)
+    text: str | None = None  # the text cut before the stop string, when one ended it
+    adapter_digest: str = ""  # lora.adapter_digest of the weights that sampled it; "" for the base model
 
 
 def nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -46,17 +60,69 @@ def nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logp.masked_fill(drop, float("-inf")), -1)
 
 
+def min_p_filter(logp: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Min-p: drop tokens less likely than min_p times the top one, renormalised. logp (B, V), min_p (B,)."""
+    p = logp.exp()  # (B, V)
+    drop = p < p.max(-1, keepdim=True).values * min_p[:, None]
+    return torch.log_softmax(logp.masked_fill(drop, float("-inf")), -1)
+
+
+class LogitProcessors:
+    """What a batch's rows ask of the raw logits, in vLLM's order, each built only when some row uses it:
+        logits += logit_bias
+        logits[stop ids] = -inf                          while fewer than min_tokens tokens are out
+        logits /= rep  where seen and logits > 0, logits *= rep where seen and logits <= 0   (prompt and output)
+        logits -= frequency_penalty * count + presence_penalty * (count > 0)                  (output only)
+    as vllm/model_executor/layers/utils.py (apply_penalties) and vllm/v1/sample/logits_processor/builtin.py do."""
+
+    def __init__(self, rows, stops: torch.Tensor, V: int, device):
+        B, col = len(rows), lambda f: torch.tensor([f(sp) for _, sp, _ in rows], device=device)
+        self.bias = self.min_tokens = self.penalties = None
+        if any(sp.logit_bias for _, sp, _ in rows):
+            self.bias = torch.zeros(B, V, device=device)
+            for r, (_, sp, _) in enumerate(rows):
+                for t, b in (sp.logit_bias or {}).items():
+                    self.bias[r, t] = b
+        if any(sp.min_tokens for _, sp, _ in rows):
+            self.min_tokens = col(lambda sp: sp.min_tokens)  # (B,)
+            self.ban = torch.zeros(B, V, device=device).scatter_add(1, stops.clamp(min=0), (stops >= 0).float()) > 0
+        if any((sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty) != (1, 0, 0) for _, sp, _ in rows):
+            self.penalties = [col(lambda sp: float(getattr(sp, k)))[:, None] for k in
+                              ("repetition_penalty", "frequency_penalty", "presence_penalty")]  # 3 x (B, 1)
+            self.in_prompt = torch.zeros(B, V, dtype=torch.bool, device=device)
+            for r, (p, _, _) in enumerate(rows):
+                self.in_prompt[r, p] = True
+            self.counts = torch.zeros(B, V, device=device)  # (B, V) occurrences in the output so far
+
+    def __call__(self, logits: torch.Tensor, t: int) -> torch.Tensor:  # (B, V) -> (B, V)
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.min_tokens is not None:
+            logits = logits.masked_fill(self.ban & (t < self.min_tokens)[:, None], float("-inf"))
+        if self.penalties is not None:
+            rep, freq, presence = self.penalties
+            penalty = torch.where(self.in_prompt | (self.counts > 0), rep, 1.0)
+            logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = logits - freq * self.counts - presence * (self.counts > 0)
+        return logits
+
+    def observe(self, tok: torch.Tensor, alive: torch.Tensor):
+        if self.penalties is not None:
+            self.counts.scatter_add_(1, tok[:, None], alive[:, None].float())
+
+
 class TorchEngine:
-    def __init__(self, model, stop_ids: list[int], pad_id: int, seed: int = 0):
+    def __init__(self, model, stop_ids: list[int], pad_id: int, seed: int = 0, decode=None):
         self.model, self.stop_ids, self.pad_id = model, list(stop_ids), pad_id
+        self.decode = decode  # token ids -> text, needed only for stop strings
         self.device = next(model.parameters()).device
         self.rng = torch.Generator(self.device).manual_seed(seed)  # for rows without a seed of their own
-        self.version = None  # adapter version now loaded
+        self.version, self.digest = None, ""  # adapter version now loaded, and its digest
         # transformers >= 5.24 takes the KV cache as `cache=`; the 5.20 line that vllm pins only `past_key_values=`
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def load_adapter(self, version: int, path: str):
-        load_adapter(self.model, path)
+        self.digest = load_adapter(self.model, path)
         self.version = version
 
     def _forward(self, ids, mask, pos, cache):
@@ -87,19 +153,25 @@ class TorchEngine:
         col = lambda f, dtype=torch.float32: torch.tensor([f(sp) for _, sp, _ in rows], dtype=dtype, device=self.device)
         temp, top_p, limit = col(lambda sp: sp.temperature), col(lambda sp: sp.top_p), col(lambda sp: sp.max_tokens, torch.long)
         greedy, temp, use_top_p = temp == 0, temp.clamp(min=1e-6), bool((top_p < 1).any())  # sorting V costs
-        stops = [self.stop_ids + list(sp.stop_token_ids) for _, sp, _ in rows]
-        stops = torch.tensor([s + [-1] * (max(map(len, stops)) - len(s)) for s in stops], device=self.device)  # (B, S)
+        min_p = col(lambda sp: sp.min_p) if any(sp.min_p for _, sp, _ in rows) else None
+        stops = [list(sp.stop_token_ids) + ([] if sp.ignore_eos else self.stop_ids) for _, sp, _ in rows]
+        stops = torch.tensor([s + [-1] * (max(map(len, stops)) - len(s)) for s in stops], dtype=torch.long,
+                             device=self.device)  # (B, S)
         gens = {r: torch.Generator(self.device).manual_seed(sp.seed + i) for r, (_, sp, i) in enumerate(rows)
                 if sp.seed is not None}
         k = max(sp.logprobs for _, sp, _ in rows)
         cache = DynamicCache()
 
         logits = self._forward(ids, mask, pos, cache)  # (B, V)
+        process = LogitProcessors(rows, stops, logits.shape[1], self.device)
+        texts = StopStrings(rows, self.decode)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         stopped = torch.zeros_like(done)
         tokens, logps, alive, tops = [], [], [], []
         for t in range(int(limit.max())):
-            logp_all = torch.log_softmax(logits / temp[:, None], -1)  # (B, V) what is sampled from
+            logp_all = torch.log_softmax(process(logits, t) / temp[:, None], -1)  # (B, V) what is sampled from
+            if min_p is not None:
+                logp_all = min_p_filter(logp_all, min_p)
             if use_top_p:
                 logp_all = nucleus(logp_all, top_p)
             sampled = (logp_all + self._noise(gens, *logp_all.shape)).argmax(-1)  # (B,)
@@ -109,7 +181,9 @@ class TorchEngine:
             if k:
                 tops.append(logp_all.topk(k, -1))
             alive.append(~done)
+            process.observe(tok, ~done)
             hit = (tok[:, None] == stops).any(1) & ~done
+            hit |= texts.check(tokens, hit | done, t) & ~done
             stopped |= hit
             done |= hit | (t + 1 >= limit)
             if bool(done.all()):
@@ -122,10 +196,44 @@ class TorchEngine:
         lengths = torch.stack(alive, 1).sum(1).tolist()  # tokens up to the first stop or the row's limit
         stopped = stopped.tolist()
         out = []
-        for r, n in enumerate(lengths):
+        for r, ((_, sp, _), n) in enumerate(zip(rows, lengths)):
             top = [dict(zip(tops[t].indices[r].tolist(), tops[t].values[r].tolist())) for t in range(n)] if k else None
-            out.append(Completion(tokens[r][:n], logps[r][:n], "stop" if stopped[r] else "length", top))
+            last = tokens[r][n - 1]
+            reason = texts.reason.get(r, last if stopped[r] and last in sp.stop_token_ids else None)
+            out.append(Completion(tokens[r][:n], logps[r][:n], "stop" if stopped[r] else "length", top, reason,
+                                  texts.text.get(r), self.digest))
         starts = [0]
         for sp in params:
             starts.append(starts[-1] + sp.n)
         return [out[a:b] for a, b in zip(starts, starts[1:])]
+
+
+class StopStrings:
+    """Stop strings, checked as vLLM's detokenizer does (vllm/v1/engine/detokenizer.py, check_stop_strings): once
+    more than min_tokens tokens are out, the newly decoded characters are searched for each string; a hit ends the
+    row (its tokens are kept) and its text is cut before the string. Costs a decode per step, only for rows with
+    stop strings."""
+
+    def __init__(self, rows, decode):
+        self.rows = {r: sp for r, (_, sp, _) in enumerate(rows) if sp.stop}
+        if self.rows and decode is None:
+            raise ValueError("stop strings need an engine built with decode=")
+        self.decode, self.seen, self.reason, self.text = decode, {r: "" for r in self.rows}, {}, {}
+
+    def check(self, tokens: list[torch.Tensor], ended: torch.Tensor, t: int) -> torch.Tensor:
+        """(B,) bool: rows whose text now holds a stop string. ended (B,): rows already finished or at a stop id."""
+        hit = torch.zeros_like(ended)
+        if not self.rows:
+            return hit
+        ended, ids = ended.tolist(), torch.stack(tokens, 1).tolist()  # (B, t+1)
+        for r, sp in self.rows.items():
+            if ended[r]:
+                continue
+            text = self.decode(ids[r])
+            new, self.seen[r] = len(text) - len(self.seen[r]), text
+            for s in sp.stop if t + 1 > sp.min_tokens else ():
+                i = text.find(s, max(0, len(text) + 1 - new - len(s))) if new else -1
+                if i >= 0:
+                    hit[r], self.reason[r], self.text[r] = True, s, text[:i]
+                    break
+        return hit

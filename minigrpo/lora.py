@@ -1,10 +1,15 @@
-"""Hand-written LoRA: y = W x + (alpha / r) * B (A x), with B = 0 at the start so a fresh adapter is an exact no-op.
+"""Hand-written LoRA: y = W x + scaling * B (A x), with B = 0 at the start so a fresh adapter is an exact no-op.
+
+    scaling = alpha / r            plain LoRA (Hu et al., 2021)
+    scaling = alpha / sqrt(r)      rsLoRA (Kalajdzievski, 2023), when adapter_config.json says use_rslora: true
 
 Only the LoRA matrices train; the base weights stay frozen. Adapters are saved and loaded in PEFT's directory
 format (adapter_config.json + adapter_model.safetensors, keys `base_model.model.<module>.lora_A.weight`), so
-peft and vLLM load ours and we load theirs.
+peft and vLLM load ours and we load theirs. An adapter's digest, the first 16 hex digits of the SHA-256 of its
+adapter_model.safetensors bytes, names the exact weights that sampled a completion (policy attribution).
 """
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -22,9 +27,10 @@ PEFT_PREFIX = "base_model.model."
 class LoRALinear(nn.Module):
     """Wraps a frozen nn.Linear. lora_A is (r, in), lora_B is (out, r), as PEFT stores them."""
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float):
+    def __init__(self, base: nn.Linear, r: int, alpha: float, use_rslora: bool = False):
         super().__init__()
-        self.base, self.r, self.alpha, self.scaling = base, r, alpha, alpha / r
+        self.base, self.r, self.alpha, self.use_rslora = base, r, alpha, use_rslora
+        self.scaling = lora_scaling(r, alpha, use_rslora)
         self.merged = False
         # LoRA weights live in float32 whatever the base dtype: the update is tiny and must not round away
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=base.weight.device))
@@ -42,7 +48,7 @@ class LoRALinear(nn.Module):
         return self.scaling * (self.lora_B @ self.lora_A)  # (out, in)
 
     def merge(self):
-        """W <- W + (alpha/r) B A, so inference pays nothing; unmerge() undoes it (up to rounding)."""
+        """W <- W + scaling B A, so inference pays nothing; unmerge() undoes it (up to rounding)."""
         if not self.merged:
             self.base.weight.data += self.delta_weight().to(self.base.weight.dtype)
             self.merged = True
@@ -53,7 +59,11 @@ class LoRALinear(nn.Module):
             self.merged = False
 
 
-def inject_lora(model: nn.Module, r: int, alpha: float, targets=DEFAULT_TARGETS) -> list[str]:
+def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def inject_lora(model: nn.Module, r: int, alpha: float, targets=DEFAULT_TARGETS, use_rslora: bool = False) -> list[str]:
     """Replace every nn.Linear whose last name part is in `targets` by a LoRALinear; freeze everything else."""
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets]
     if not names:
@@ -61,7 +71,7 @@ def inject_lora(model: nn.Module, r: int, alpha: float, targets=DEFAULT_TARGETS)
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRALinear(getattr(parent, child), r, alpha))
+        setattr(parent, child, LoRALinear(getattr(parent, child), r, alpha, use_rslora))
     for n, p in model.named_parameters():
         p.requires_grad = ".lora_" in n
     return names
@@ -113,23 +123,29 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]):
 
 
 def check_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int):
-    """Raise ValueError unless every tensor belongs to a LoRA layer of the model with rank r <= the layer's."""
+    """Raise ValueError unless every tensor belongs to a LoRA layer of the model, has the shape of rank r <= the
+    layer's, and is finite. Nothing is written: a refused adapter leaves the served weights as they were."""
     layers = lora_layers(model)
     unknown = sorted(state.keys() - {f"{PEFT_PREFIX}{n}.lora_{ab}.weight" for n in layers for ab in "AB"})
     if unknown:
         targets = sorted({n.rsplit(".", 1)[-1] for n in layers})
-        raise ValueError(f"expected target modules in {targets} but received {unknown[:3]}")
+        raise ValueError(f"expected target modules in {targets} but received {unknown[:3]}. "
+                         "Please verify that the loaded LoRA module is correct")
     for name, layer in layers.items():
         A, B = (state.get(f"{PEFT_PREFIX}{name}.lora_{ab}.weight") for ab in "AB")
-        if A is not None and (r > layer.r or A.shape != (r, layer.base.in_features) or B is None
-                              or B.shape != (layer.base.out_features, r)):
-            raise ValueError(f"{name}: lora_A {tuple(A.shape)} and lora_B {None if B is None else tuple(B.shape)} "
-                             f"do not fit rank {r} of a {layer.base.in_features}->{layer.base.out_features} layer")
+        if (A is None) != (B is None) or A is not None and (
+                r > layer.r or A.shape != (r, layer.base.in_features) or B.shape != (layer.base.out_features, r)):
+            raise ValueError(f"{name}: lora_A {None if A is None else tuple(A.shape)} and lora_B "
+                             f"{None if B is None else tuple(B.shape)} do not fit rank {r} of a "
+                             f"{layer.base.in_features}->{layer.base.out_features} layer")
+    bad = [k for k, v in state.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ValueError(f"{bad[0]} holds NaN or infinite values")
 
 
-def apply_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int, alpha: float):
-    """Serve an adapter of rank r <= the layers' rank: zero-padded into A and B and scaled by its own alpha / r.
-    Layers the adapter does not cover are switched off; a tensor for a module the model lacks is an error."""
+def apply_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int, scaling: float):
+    """Serve an adapter of rank r <= the layers' rank: zero-padded into A and B and scaled by its own scaling.
+    Layers the adapter does not cover are switched off. Checked whole before the first layer is written."""
     check_adapter(model, state, r)
     with torch.no_grad():
         for name, layer in lora_layers(model).items():
@@ -138,14 +154,14 @@ def apply_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int, alph
             layer.lora_B.zero_()
             if A is not None:
                 layer.lora_A[:r], layer.lora_B[:, :r] = A, B
-            layer.scaling = alpha / r
+            layer.scaling = scaling
 
 
-def adapter_config(r: int, alpha: float, targets, base_model: str) -> dict:
-    """The adapter_config.json PEFT writes for a plain LoRA (vLLM reads r, lora_alpha, target_modules)."""
+def adapter_config(r: int, alpha: float, targets, base_model: str, use_rslora: bool = False) -> dict:
+    """The adapter_config.json PEFT writes for a LoRA (vLLM reads r, lora_alpha, target_modules, use_rslora)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": r, "lora_alpha": alpha, "target_modules": sorted(targets), "lora_dropout": 0.0,
-            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": use_rslora, "use_dora": False,
             "modules_to_save": None, "init_lora_weights": True, "inference_mode": True}
 
 
@@ -164,29 +180,56 @@ def save_adapter(path: str, state: dict[str, torch.Tensor], config: dict):
             f.write(data)
 
 
-def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read (config, tensors) of a PEFT adapter directory (a local path or a storage URL), with errors that
-    name the directory."""
+def adapter_digest(weights: bytes) -> str:
+    """Which weights these are: sha256 of the adapter_model.safetensors bytes, 16 hex digits. The base model is ""."""
+    return hashlib.sha256(weights).hexdigest()[:16]
+
+
+def check_config(config: dict) -> tuple[int, float]:
+    """(r, scaling) of an adapter_config.json, or ValueError naming the first field vLLM would refuse too."""
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if type(r) is not int or r < 1:
+        raise ValueError(f"LoRA rank r must be an integer >= 1, got {r!r}.")
+    if type(alpha) not in (int, float) or not math.isfinite(alpha):
+        raise ValueError(f"lora_alpha must be a finite number, got {alpha!r}.")
+    if config.get("use_dora"):
+        raise ValueError("vLLM does not yet support DoRA.")
+    if config.get("bias", "none") != "none":
+        raise ValueError("Adapter bias is not supported.")
+    return r, lora_scaling(r, alpha, bool(config.get("use_rslora")))
+
+
+def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor], str]:
+    """(config, tensors, digest) of a PEFT adapter directory, with errors that name the directory:
+    FileNotFoundError without adapter_config.json, ValueError for anything else wrong with it. A local path
+    or a storage URL (s3://...)."""
     path = path.rstrip("/")
     try:
         config = json.loads(read_bytes(f"{path}/adapter_config.json"))
     except FileNotFoundError:
         raise FileNotFoundError(f"no adapter found in {path}: adapter_config.json is missing") from None
+    except ValueError as e:
+        raise ValueError(f"{path}/adapter_config.json is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}/adapter_config.json is not a JSON object")
     try:
         weights = read_bytes(f"{path}/adapter_model.safetensors")
     except FileNotFoundError:
-        raise FileNotFoundError(f"adapter {path} has no adapter_model.safetensors") from None
-    if config.get("use_dora") or config.get("bias", "none") != "none" or config.get("use_rslora"):
-        raise ValueError(f"adapter {path}: only plain LoRA is supported (no DoRA, bias or rsLoRA)")
-    return config, load(weights)
+        raise ValueError(f"{path} doesn't contain tensors") from None
+    try:
+        tensors = load(weights)
+    except Exception as e:  # noqa: BLE001 -- safetensors raises its own error type for a corrupt file
+        raise ValueError(f"{path}/adapter_model.safetensors cannot be read: {e}") from None
+    return config, tensors, adapter_digest(weights)
 
 
-def load_adapter(model: nn.Module, path: str):
-    """Load a PEFT adapter directory into a model that inject_lora() wrapped with the same r and alpha."""
-    config, state = read_adapter(path)
-    for layer in lora_layers(model).values():
-        if (layer.r, layer.alpha) != (config["r"], config["lora_alpha"]):
-            raise ValueError(f"adapter {path} has r={config['r']}, alpha={config['lora_alpha']}; "
-                             f"the model was wrapped with r={layer.r}, alpha={layer.alpha}")
-        break
+def load_adapter(model: nn.Module, path: str) -> str:
+    """Load a PEFT adapter directory into a model that inject_lora() wrapped with the same shape; its digest."""
+    config, state, digest = read_adapter(path)
+    r, scaling = check_config(config)
+    layer = next(iter(lora_layers(model).values()))
+    if (layer.r, layer.scaling) != (r, scaling):
+        raise ValueError(f"adapter {path} has r={r}, scaling={scaling}; "
+                         f"the model was wrapped with r={layer.r}, scaling={layer.scaling}")
     load_lora_state_dict(model, state)
+    return digest

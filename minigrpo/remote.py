@@ -1,10 +1,12 @@
 """Engines that sample somewhere else, with the same interface as TorchEngine (load_adapter, generate):
 
   HttpEngine   any vLLM-compatible server: `vllm serve`, `python -m minigrpo.serve`, or proxy.py in front of
-               several. A new version is registered with POST /v1/load_lora_adapter (absolute path, a name that
-               is never reused) and requested as model = policy-vNNNNNN; names that left the staleness window are
-               unloaded. Transient failures are retried with bounded backoff; a replica that restarted and forgot
-               the adapter gets it again.
+               several. A new version is registered with POST /v1/load_lora_adapter under the name its directory
+               has (an absolute path or a URL; names are never reused) and requested as model = that name; names
+               that left the staleness window are unloaded. A name already loaded counts only if /v1/models shows
+               it at the same path. Transient failures are retried with bounded backoff; a replica that restarted
+               and forgot the adapter gets it again. Each Completion carries the digest of the weights that
+               sampled it when the server reports one (minigrpo's server and proxy; vLLM does not).
   VllmEngine   vLLM in-process (GPU only): a LoRARequest per version, processed (temperature-applied) log-probs.
 """
 import asyncio
@@ -12,9 +14,9 @@ import os
 
 import aiohttp
 
+from minigrpo import protocol as P
 from minigrpo.engine import Completion, SamplingParams
 
-RETRY_STATUS = (500, 502, 503, 504)
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for --max-lora-rank
 
 
@@ -22,20 +24,24 @@ class ServerError(RuntimeError):
     pass
 
 
-def name_and_path(path: str) -> tuple[str, str]:
-    """An adapter directory's served name (its last path component) and its path as a server must get it."""
-    return path.rstrip("/").rsplit("/", 1)[-1], path if "://" in path else os.path.abspath(path)
+def adapter_name(path: str) -> str:
+    """An adapter's served name: the last component of its path or URL."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def absolute(path: str) -> str:
+    return path if "://" in path else os.path.abspath(path)
 
 
 class HttpEngine:
     def __init__(self, url: str, api_key: str = "", max_inflight: int = 64, keep: int = 5, retries: int = 6,
                  timeout_s: float = 600.0):
         self.url, self.keep, self.retries = url.rstrip("/"), keep, retries
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = P.bearer(api_key)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
         self.inflight = asyncio.Semaphore(max_inflight)
-        self.session, self.version, self.path, self.loaded, self.names = None, None, None, [], {}
+        self.session, self.version, self.path, self.loaded = None, None, None, []  # loaded: (version, name)
 
     async def _call(self, method: str, path: str, body=None) -> tuple[int, str, dict | None]:
         """(status, text, json or None), retrying transport errors and 5xx with backoff 0.5, 1, 2, ... 8 s."""
@@ -46,7 +52,7 @@ class HttpEngine:
             try:
                 async with self.session.request(method, self.url + path, json=body) as resp:
                     text = await resp.text()
-                    if resp.status not in RETRY_STATUS:
+                    if resp.status not in P.RETRY_STATUS:
                         is_json = resp.content_type == "application/json"
                         return resp.status, text, await resp.json() if is_json else None
                     last = f"{resp.status} {text[:300]}"
@@ -62,7 +68,7 @@ class HttpEngine:
                 if i == 20:
                     print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
                 try:
-                    if (await self._call("GET", "/health"))[0] == 200:
+                    if (await self._call("GET", P.HEALTH))[0] == 200:
                         return
                 except ServerError:
                     pass
@@ -70,41 +76,45 @@ class HttpEngine:
             raise ServerError(f"no healthy server at {self.url} after {timeout_s:.0f}s (is it running? right --url?)")
         self.loop.run_until_complete(poll())
 
-    async def _load(self, version: int, path: str):
-        name, path = name_and_path(path)
-        self.names[version] = name
-        status, text, _ = await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-        if status != 200 and not (status == 400 and "already been loaded" in text):  # another generator was first
+    async def _load(self, path: str):
+        name, path = adapter_name(path), absolute(path)
+        status, text, _ = await self._call("POST", P.LOAD, {"lora_name": name, "lora_path": path})
+        if status == 400 and P.LOADED in text:  # another generator was first, or the name holds other weights
+            _, _, models = await self._call("GET", P.MODELS)
+            there = next((m.get("root") for m in (models or {}).get("data", []) if m.get("id") == name), None)
+            if there != path:
+                raise ServerError(f"{self.url} already serves {name} from {there}, not from {path}")
+        elif status != 200:
             raise ServerError(f"{self.url} refused to load {name} from {path}: {status} {text[:300]}")
 
     def load_adapter(self, version: int, path: str):
         async def load():
-            await self._load(version, path)
-            self.loaded.append(version)
-            for old in [v for v in self.loaded if v <= version - self.keep]:  # left the staleness window
-                await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": self.names.pop(old)})  # 404: fine
+            await self._load(path)
+            self.loaded.append((version, adapter_name(path)))
+            for old in [v for v in self.loaded if v[0] <= version - self.keep]:  # left the staleness window
+                await self._call("POST", P.UNLOAD, {"lora_name": old[1]})  # 404: fine
                 self.loaded.remove(old)
         self.loop.run_until_complete(load())
         self.version, self.path = version, path
 
     async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
-        body = {"model": self.names[self.version], "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens,
+        body = {"model": adapter_name(self.path), "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens,
                 "temperature": sp.temperature, "top_p": sp.top_p, "top_k": 0, "logprobs": 0,
                 "stop_token_ids": list(sp.stop_token_ids), "return_token_ids": True}
         if sp.seed is not None:  # without one, the server samples from its own generator
             body["seed"] = sp.seed
         async with self.inflight:
             for _ in range(2):
-                status, text, data = await self._call("POST", "/v1/completions", body)
+                status, text, data = await self._call("POST", P.COMPLETIONS, body)
                 if status == 404 and "does not exist" in text:  # a replica restarted and forgot the adapter
-                    await self._load(self.version, self.path)
+                    await self._load(self.path)
                     continue
                 break
         if status != 200 or data is None:
             raise ServerError(f"{self.url}/v1/completions answered {status}: {text[:300]}")
         choices = sorted(data["choices"], key=lambda c: c["index"])
-        return [Completion(c["token_ids"], c["logprobs"]["token_logprobs"],
-                           "stop" if c["finish_reason"] == "stop" else "length") for c in choices]
+        return [Completion(c["token_ids"], c["logprobs"]["token_logprobs"], "stop" if c["finish_reason"] == "stop"
+                           else "length", adapter_digest=c.get("adapter_digest") or "") for c in choices]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         async def run():
@@ -117,7 +127,7 @@ class HttpEngine:
 
 
 class VllmEngine:
-    """vLLM's offline API as shared/spec/vllm_protocol.md section 6 records it. Needs `pip install vllm` and a GPU."""
+    """vLLM's offline API (vllm/entrypoints/llm.py, vllm/lora/request.py). Needs `pip install vllm` and a GPU."""
 
     def __init__(self, model: str, lora_r: int, keep: int = 5, dtype: str = "auto", seed: int = 0,
                  gpu_memory_utilization: float = 0.85):
@@ -130,8 +140,7 @@ class VllmEngine:
 
     def load_adapter(self, version: int, path: str):
         from vllm.lora.request import LoRARequest
-        name, path = name_and_path(path)
-        request = LoRARequest(name, version + 1, path)  # int ids start at 1
+        request = LoRARequest(adapter_name(path), version + 1, absolute(path))  # int ids start at 1
         self.llm.llm_engine.add_lora(request)
         self.requests[version], self.version = request, version
         for old in [v for v in self.requests if v <= version - self.keep]:

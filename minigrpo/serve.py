@@ -4,17 +4,20 @@
     python -m minigrpo.serve --model Qwen/Qwen2.5-0.5B --device cuda --port 8001 --api_key KEY
 
 It answers like `vllm serve --enable-lora` with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, VLLM_SERVER_DEV_MODE=1 and
---logprobs-mode processed_logprobs (shared/spec/vllm_protocol.md): /v1/completions with token-id or text
-prompts, runtime LoRA load/unload with vLLM's status codes and messages, /v1/models, /health, /pause, /resume,
-/is_paused, /reset_prefix_cache, /server_info and /get_world_size. So a proxy or a client cannot tell it from
-a real replica. Requests that arrive together share a batch; each batch runs one adapter at a time, and a
-scheduling round serves at most --max_loras distinct adapters.
+--logprobs-mode processed_logprobs: /v1/completions and /v1/chat/completions (the tokenizer's chat template),
+runtime LoRA load/unload with vLLM's status codes and messages, /v1/models, /health, /ping, /version, /pause,
+/resume, /is_paused, /reset_prefix_cache, /server_info and /get_world_size. Batching is minigrpo/scheduler.py;
+the wire rules shared with the proxy are minigrpo/protocol.py.
 
-Left out on purpose: streaming, /v1/chat/completions, top_k, prompt logprobs and a prefix cache.
+Every request is checked whole before it joins a batch, against the model (vocabulary size, max_model_len) and
+the server's limits (body size, --max_request_rows), and a bad one is a 400 whose `param` names the field. Where
+vLLM would ignore a field, this server refuses it by name, so nothing is silently ignored. Each choice names the
+adapter that sampled it and its weights' digest (`adapter`, `adapter_digest`, and the X-Adapter-* headers).
+
+Left out on purpose, each refused by name: streaming, echo, prompt_logprobs, top_k, include_stop_str_in_output.
 """
 import asyncio
-import collections
-import hmac
+import math
 import os
 import time
 import uuid
@@ -24,11 +27,25 @@ import torch
 from aiohttp import web
 from transformers import HfArgumentParser
 
-from minigrpo.engine import Completion, SamplingParams, TorchEngine
-from minigrpo.lora import DEFAULT_TARGETS, apply_adapter, check_adapter, inject_lora, lora_layers, read_adapter
+from minigrpo import protocol as P
+from minigrpo.engine import SamplingParams, TorchEngine
+from minigrpo.lora import DEFAULT_TARGETS, inject_lora, lora_layers
 from minigrpo.model import load_model, pick_device, stop_token_ids
 from minigrpo.remote import MAX_LORA_RANKS
+from minigrpo.scheduler import Adapter, Scheduler
 
+VERSION = "0.33.0+minigrpo"  # the vLLM API this server answers like
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_FACTOR = 1e4  # largest temperature and repetition_penalty: logits are float32, and 1e308 would be inf there
+NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a chat "
+               "template if the tokenizer does not define one.")
+SAMPLING = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+            "ignore_eos", "min_tokens", "logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty",
+            "skip_special_tokens", "return_token_ids", "stream", "include_stop_str_in_output", "logprobs"}
+FIELDS = {P.COMPLETIONS: SAMPLING | {"prompt", "echo", "prompt_logprobs", "return_tokens_as_token_ids"},
+          P.CHAT: SAMPLING | {"messages", "max_completion_tokens", "top_logprobs"}}
+OFF = {"stream": (None, False), "echo": (None, False), "prompt_logprobs": (None,), "top_k": (None, 0, -1),
+       "include_stop_str_in_output": (None, False)}  # the only values accepted for what is not implemented
 
 
 @dataclass
@@ -37,42 +54,31 @@ class ServeConfig:
     served_model_name: str = field(default="", metadata={"help": "the base model's name in the API (default: --model)"})
     host: str = field(default="127.0.0.1", metadata={"help": "bind address (loopback unless told otherwise)"})
     port: int = field(default=8000, metadata={"help": "port"})
-    api_key: str = field(default="", metadata={"help": "require 'Authorization: Bearer KEY' on all routes but /health"})
+    api_key: str = field(default="", metadata={"help": "require 'Authorization: Bearer KEY' on /v1 routes, as vLLM"})
     max_lora_rank: int = field(default=16, metadata={"help": f"largest adapter rank served, one of {MAX_LORA_RANKS}"})
     max_loras: int = field(default=6, metadata={"help": "distinct adapters per scheduling round"})
     max_cpu_loras: int = field(default=8, metadata={"help": "adapters kept in memory; others are re-read from their path"})
     lora_root: str = field(default="", metadata={"help": "if set, lora_path must lie inside this directory"})
-    max_n: int = field(default=256, metadata={"help": "largest n accepted in one request"})
+    max_request_rows: int = field(default=256, metadata={"help": "most sequences (prompts x n) in one request"})
     max_batch_rows: int = field(default=512, metadata={"help": "most sequences sampled together"})
+    max_body_mb: int = field(default=8, metadata={"help": "largest request body"})
+    header_timeout_s: float = field(default=30.0, metadata={"help": "close a connection whose request head is this late"})
+    body_timeout_s: float = field(default=30.0, metadata={"help": "answer 408 to a body that takes longer to arrive"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch"})
     seed: int = field(default=0, metadata={"help": "seed for requests that bring none"})
 
 
-def error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
-    """vLLM's error body: {"error": {"message", "type", "param", "code"}}."""
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status)
-
-
-class BadRequest(Exception):
-    pass
-
-
-@dataclass
-class Adapter:
-    path: str
-    r: int
-    alpha: float
-    created: int
-
-
-@dataclass
-class Job:
-    model: str  # the served name, base or adapter
-    prompts: list
-    params: SamplingParams
-    future: asyncio.Future
+def number(body: dict, key: str, default, lo=-math.inf, hi=math.inf, integer=False, open_lo=False):
+    """body[key] (default when absent or null), or BadRequest naming the field and the range."""
+    v = body.get(key)
+    v = default if v is None else v
+    ok = type(v) is int if integer else type(v) in (int, float) and math.isfinite(v)
+    if not ok or not (lo < v if open_lo else lo <= v) or v > hi:
+        kind = "an integer" if integer else "a finite number"
+        raise P.BadRequest(f"{key} must be {kind} in {'(' if open_lo else '['}{lo}, {hi}], got {v!r}", key)
+    return v
 
 
 class Server:
@@ -83,204 +89,248 @@ class Server:
         self.model, self.tokenizer = load_model(cfg.model, pick_device(cfg.device), cfg.dtype)
         inject_lora(self.model, cfg.max_lora_rank, cfg.max_lora_rank, DEFAULT_TARGETS)  # served at rank <= max
         self.targets = sorted({n.rsplit(".", 1)[-1] for n in lora_layers(self.model)})
-        self.engine = TorchEngine(self.model, stop_token_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id, cfg.seed)
-        self.vocab = self.model.config.vocab_size
-        self.max_model_len = self.model.config.max_position_embeddings
-        self.adapters: dict[str, Adapter] = {}
-        self.cache = collections.OrderedDict()  # name -> tensors, LRU, at most max_cpu_loras
-        self.active = None  # the adapter name the LoRA layers hold now
-        self.pending: collections.deque[Job] = collections.deque()
-        self.paused = None  # None, or the pause mode
+        self.decode = lambda ids, skip=True: self.tokenizer.decode(ids, skip_special_tokens=skip)
+        engine = TorchEngine(self.model, stop_token_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
+                             cfg.seed, self.decode)
+        self.scheduler = Scheduler(self.model, engine, self.name, cfg.max_lora_rank, cfg.max_loras,
+                                   cfg.max_batch_rows, cfg.max_cpu_loras)
+        self.vocab, self.max_model_len = self.model.config.vocab_size, self.model.config.max_position_embeddings
+        # a text longer than this cannot fit in max_model_len tokens: refused before it is tokenized
+        self.max_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
 
-    # ---- scheduling: gather what is pending, one engine call per adapter ----
-    async def worker(self, wake: asyncio.Event, resumed: asyncio.Event):
-        while True:
-            await wake.wait()
-            await resumed.wait()
-            wake.clear()
-            while self.pending:
-                await resumed.wait()  # a pause with mode=keep freezes what is queued until /resume
-                names, jobs, rows, keep = [], [], 0, collections.deque()
-                while self.pending:
-                    job = self.pending.popleft()
-                    fits = job.model in names or len(names) < self.cfg.max_loras
-                    if fits and (not jobs or rows + len(job.prompts) * job.params.n <= self.cfg.max_batch_rows):
-                        names += [] if job.model in names else [job.model]
-                        jobs.append(job)
-                        rows += len(job.prompts) * job.params.n
-                    else:
-                        keep.append(job)
-                self.pending.extendleft(reversed(keep))
-                for name in names:
-                    group = [j for j in jobs if j.model == name]
-                    try:
-                        outs = await asyncio.to_thread(self.run, name, group)
-                    except Exception as e:  # noqa: BLE001 -- answer 500 and keep serving, whatever broke
-                        outs = [e] * len(group)
-                    for job, out in zip(group, outs):
-                        if not job.future.done():
-                            job.future.set_result(out)
+    # ---- checking a request ----
+    def check_fields(self, body: dict, route: str):
+        unknown = sorted(body.keys() - FIELDS[route])
+        if unknown:
+            raise P.BadRequest(f"{unknown[0]} is not supported by this server", unknown[0])
+        for key, allowed in OFF.items():
+            if body.get(key) not in allowed:
+                raise P.BadRequest(f"{key}={body[key]!r} is not supported by this server", key)
+        model = body.get("model") or self.name
+        if not isinstance(model, str):
+            raise P.BadRequest(f"model must be a string, got {model!r}", "model")
+        if model != self.name and model not in self.scheduler.adapters:
+            raise P.BadRequest(f"The model `{model}` does not exist. Valid aliases: {self.name}.", "model", 404,
+                               "NotFoundError")
+        if self.scheduler.paused in ("abort", "wait"):
+            raise P.BadRequest("Generation is paused. Please retry after it resumes.", None, 503,
+                               "ServiceUnavailableError")
+        return model
 
-    def run(self, name: str, jobs: list[Job]):
-        """In a worker thread: switch the LoRA layers to this adapter, then sample every job in one batch."""
-        if self.active != name:
-            if name == self.name:
-                for layer in lora_layers(self.model).values():
-                    layer.scaling = 0.0
-            else:
-                a = self.adapters[name]
-                apply_adapter(self.model, self.tensors(name), a.r, a.alpha)
-            self.active = name
-        prompts = [p for j in jobs for p in j.prompts]
-        out = self.engine.generate(prompts, [j.params for j in jobs for _ in j.prompts])
-        result, i = [], 0
-        for j in jobs:
-            result.append(out[i:i + len(j.prompts)])
-            i += len(j.prompts)
-        return result
+    async def tokenize(self, texts: list[str], key: str, chat: bool = False) -> list[list[int]]:
+        """Off the event loop, and only texts that could fit the context."""
+        for t in texts:
+            if len(t) > self.max_chars:
+                raise P.BadRequest(f"This model's maximum context length is {self.max_model_len} tokens, and {len(t)} "
+                                   f"characters are more than that many tokens can hold.", key)
+        try:
+            encode = lambda t: self.tokenizer(t, add_special_tokens=not chat)["input_ids"]
+            return await asyncio.to_thread(lambda: [encode(t) for t in texts])
+        except Exception as e:  # noqa: BLE001 -- whatever a tokenizer raises on odd text
+            raise P.BadRequest(f"{key} could not be tokenized: {type(e).__name__}: {e}", key) from None
 
-    def tensors(self, name: str):
-        """An adapter's tensors from the LRU cache, or re-read from its path (as vLLM does after eviction)."""
-        if name not in self.cache:
-            self.cache[name] = read_adapter(self.adapters[name].path)[1]
-            while len(self.cache) > self.cfg.max_cpu_loras:
-                self.cache.popitem(last=False)
-        self.cache.move_to_end(name)
-        return self.cache[name]
-
-    # ---- /v1/completions ----
-    def parse_prompts(self, prompt) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompt = [self.tokenizer(prompt)["input_ids"]]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompt = [self.tokenizer(p)["input_ids"] for p in prompt]
-        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+    async def prompts(self, body: dict, n: int) -> list[list[int]]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
             prompt = [prompt]
-        if not (isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(type(t) is int for t in p)
-                                                           for p in prompt)):
-            raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.")
-        for p in prompt:
+        if not (isinstance(prompt, list) and prompt and all(isinstance(p, str) or isinstance(p, list) and p and all(
+                type(t) is int for t in p) for p in prompt)):
+            raise P.BadRequest("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        self.check_rows(len(prompt), n, "prompt")
+        texts = [p for p in prompt if isinstance(p, str)]
+        tokens = iter(await self.tokenize(texts, "prompt") if texts else [])
+        return [next(tokens) if isinstance(p, str) else p for p in prompt]
+
+    async def chat_prompt(self, body: dict) -> list[list[int]]:
+        messages = body.get("messages")
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                and m.keys() <= {"role", "content", "name"} for m in messages)):
+            raise P.BadRequest("messages must be a non-empty list of {role, content} with string content", "messages")
+        if self.tokenizer.chat_template is None:
+            raise P.BadRequest(NO_TEMPLATE)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 -- a template may raise anything on odd messages
+            raise P.BadRequest(f"the chat template failed on these messages: {e}", "messages") from None
+        return await self.tokenize([text], "messages", chat=True)
+
+    def check_rows(self, prompts: int, n: int, key: str):
+        if prompts * n > self.cfg.max_request_rows:
+            raise P.BadRequest(f"{prompts} prompts x n={n} is {prompts * n} sequences, more than this server's "
+                               f"--max_request_rows {self.cfg.max_request_rows}", key)
+
+    def sampling(self, body: dict, prompts: list[list[int]], n: int, logprobs: int) -> SamplingParams:
+        for p in prompts:
+            if not p:
+                raise P.BadRequest("The decoder prompt cannot be empty", "prompt")  # a text of no tokens
             bad = [t for t in p if not 0 <= t < self.vocab]
             if bad:
-                raise BadRequest(f"Token id {bad[0]} is out of vocabulary (size {self.vocab}).")
+                raise P.BadRequest(f"Token id {bad[0]} is out of vocabulary (size {self.vocab}).", "prompt")
             if len(p) >= self.max_model_len:
-                raise BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                                 f"request has {len(p)} input tokens. Please reduce the length of the input messages.")
-        return prompt
-
-    def sampling(self, body: dict, prompt_len: int) -> SamplingParams:
-        def number(key, default, kind=(int, float), lo=None, hi=None):
-            v = body.get(key)
-            v = default if v is None else v
-            if type(v) not in (kind if isinstance(kind, tuple) else (kind,)) or (lo is not None and v < lo) or (hi is not None and v > hi):
-                raise BadRequest(f"{key} must be a number in [{lo}, {hi}], got {body.get(key)!r}")
-            return v
-        if body.get("stream"):
-            raise BadRequest("stream is not supported by this server")
-        if body.get("top_k") not in (None, 0, -1):
-            raise BadRequest("top_k is not supported by this server (use 0 or -1)")
-        stops = body.get("stop_token_ids") or []
-        if not (isinstance(stops, list) and all(type(t) is int and t >= 0 for t in stops)):
-            raise BadRequest("stop_token_ids must be a list of non-negative ints")
+                raise P.BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                   f"your request has {len(p)} input tokens. Please reduce the length of the input "
+                                   "messages.", "prompt")
         seed = body.get("seed")
         if seed is not None and (type(seed) is not int or not -2**63 <= seed < 2**63):
-            raise BadRequest("seed must be an int64")
-        max_tokens = number("max_tokens", 16, int, 1)
-        return SamplingParams(n=number("n", 1, int, 1, self.cfg.max_n), temperature=number("temperature", 1.0, lo=0),
-                              top_p=number("top_p", 1.0, lo=1e-9, hi=1), seed=seed, stop_token_ids=tuple(stops),
-                              max_tokens=min(max_tokens, self.max_model_len - prompt_len),
-                              logprobs=number("logprobs", 0, int, 0, 20))
+            raise P.BadRequest(f"seed must be an int64, got {seed!r}", "seed")
+        stop = body.get("stop")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+            raise P.BadRequest("stop must be a non-empty string or a list of them", "stop")
+        stop_ids = [] if body.get("stop_token_ids") is None else body["stop_token_ids"]
+        if not (isinstance(stop_ids, list) and all(type(t) is int and 0 <= t < self.vocab for t in stop_ids)):
+            raise P.BadRequest(f"stop_token_ids must be a list of token ids in [0, {self.vocab})", "stop_token_ids")
+        for key in ("ignore_eos", "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids"):
+            if body.get(key) not in (None, True, False):
+                raise P.BadRequest(f"{key} must be true or false, got {body[key]!r}", key)
+        max_tokens = number(body, "max_completion_tokens", number(body, "max_tokens", 16, 1, integer=True), 1,
+                            integer=True)
+        return SamplingParams(
+            n=n, temperature=number(body, "temperature", 1.0, 0, MAX_FACTOR), seed=seed,
+            top_p=number(body, "top_p", 1.0, 0, 1, open_lo=True), stop_token_ids=tuple(stop_ids), logprobs=logprobs,
+            stop=tuple(stop),
+            max_tokens=min(max_tokens, self.max_model_len - max(map(len, prompts))),
+            ignore_eos=bool(body.get("ignore_eos")), min_tokens=number(body, "min_tokens", 0, 0, max_tokens, True),
+            logit_bias=self.logit_bias(body.get("logit_bias")), min_p=number(body, "min_p", 0.0, 0, 1),
+            repetition_penalty=number(body, "repetition_penalty", 1.0, 0, MAX_FACTOR, open_lo=True),
+            presence_penalty=number(body, "presence_penalty", 0.0, -2, 2),
+            frequency_penalty=number(body, "frequency_penalty", 0.0, -2, 2))
 
-    def choice(self, index, c, body, prompt):
-        as_ids, stops = body.get("return_tokens_as_token_ids"), set(body.get("stop_token_ids") or [])
-        stop_reason = c.token_ids[-1] if c.finish_reason == "stop" and c.token_ids[-1] in stops else None
-        text_ids = c.token_ids[:-1] if stop_reason is not None else c.token_ids
-        name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: self.tokenizer.decode([t]))
-        logprobs = None
-        if body.get("logprobs") is not None:
-            tokens = [name(t) for t in c.token_ids]
-            tops = [{name(t): max(lp, -9999.0)} | {name(a): max(b, -9999.0) for a, b in (top or {}).items()}
-                    for t, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs or [None] * len(c.token_ids))]
-            offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
-            logprobs = {"text_offset": offsets, "token_logprobs": [max(lp, -9999.0) for lp in c.logprobs],
-                        "tokens": tokens, "top_logprobs": tops}
-        ids = body.get("return_token_ids")
-        return {"index": index, "text": self.tokenizer.decode(text_ids, skip_special_tokens=True), "logprobs": logprobs,
-                "finish_reason": c.finish_reason, "stop_reason": stop_reason, "token_ids": c.token_ids if ids else None,
-                "prompt_logprobs": None, "prompt_token_ids": prompt if ids else None, "routed_experts": None}
+    def logit_bias(self, bias) -> dict | None:
+        """{token id: bias}, clamped to [-100, 100] as vLLM does; keys are JSON strings of ids, as OpenAI sends."""
+        if bias is None:
+            return None
+        if not (isinstance(bias, dict) and all(k.isascii() and k.isdigit() and len(k) < 10 and type(v) in (int, float)
+                                               and math.isfinite(v) for k, v in bias.items())):
+            raise P.BadRequest("logit_bias must map token ids to finite numbers", "logit_bias")
+        bad = sorted(int(k) for k in bias if int(k) >= self.vocab)
+        if bad:
+            raise P.BadRequest(f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
+                               f"Vocabulary size: {self.vocab}", "logit_bias")
+        return {int(k): min(100.0, max(-100.0, float(v))) for k, v in bias.items()}
 
+    # ---- /v1/completions and /v1/chat/completions ----
     async def completions(self, request: web.Request):
-        body = await read_json(request)
-        model = body.get("model") or self.name
-        if model != self.name and model not in self.adapters:
-            return error(404, f"The model `{model}` does not exist. Valid aliases: {self.name}.", "NotFoundError")
-        if self.paused in ("abort", "wait"):
-            return error(503, "Generation is paused. Please retry after it resumes.", "ServiceUnavailableError")
-        prompts = self.parse_prompts(body.get("prompt"))
-        params = self.sampling(body, max(map(len, prompts)))
-        job = Job(model, prompts, params, asyncio.get_running_loop().create_future())
-        self.pending.append(job)
-        request.app["wake"].set()
-        out = await job.future
+        body = await P.read_json(request, self.cfg.body_timeout_s)
+        model = self.check_fields(body, P.COMPLETIONS)
+        n = number(body, "n", 1, 1, self.cfg.max_request_rows, integer=True)
+        lp = body.get("logprobs")
+        logprobs = 0 if lp is None else number(body, "logprobs", 0, 0, min(MAX_LOGPROBS, self.vocab), integer=True)
+        prompts = await self.prompts(body, n)
+        out = await self.scheduler.submit(model, prompts, self.sampling(body, prompts, n, logprobs))
+        as_ids = body.get("return_tokens_as_token_ids")
+        name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: self.decode([t], False))
+        choices = []
+        for prompt, group in zip(prompts, out if not isinstance(out, Exception) else []):
+            for c in group:
+                choice = self.choice(len(choices), c, body, model)
+                choice["logprobs"] = self.completion_logprobs(c, name) if lp is not None else None
+                choice |= {"prompt_logprobs": None, "routed_experts": None,
+                           "prompt_token_ids": prompt if body.get("return_token_ids") else None}
+                choices.append(choice)
+        return self.respond(out, prompts, model, {"object": "text_completion", "choices": choices,
+                                                  "ec_transfer_params": None, "metrics": None}, "cmpl")
+
+    async def chat(self, request: web.Request):
+        body = await P.read_json(request, self.cfg.body_timeout_s)
+        model = self.check_fields(body, P.CHAT)
+        n = number(body, "n", 1, 1, self.cfg.max_request_rows, integer=True)
+        if body.get("logprobs") not in (None, True, False):
+            raise P.BadRequest(f"logprobs must be true or false, got {body['logprobs']!r}", "logprobs")
+        top = number(body, "top_logprobs", 0, 0, min(MAX_LOGPROBS, self.vocab), integer=True)
+        if top and not body.get("logprobs"):
+            raise P.BadRequest("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+        prompts = await self.chat_prompt(body)
+        self.check_rows(1, n, "n")
+        out = await self.scheduler.submit(model, prompts, self.sampling(body, prompts, n, top))
+        choices = []
+        for c in out[0] if not isinstance(out, Exception) else []:
+            choice = self.choice(len(choices), c, body, model)
+            choice["message"] = {"role": "assistant", "content": choice.pop("text"), "tool_calls": []}
+            choice["logprobs"] = self.chat_logprobs(c, top) if body.get("logprobs") else None
+            choices.append(choice)
+        return self.respond(out, prompts, model, {"object": "chat.completion", "choices": choices,
+                                                  "prompt_logprobs": None, "prompt_token_ids": None}, "chatcmpl")
+
+    def choice(self, index: int, c, body: dict, model: str) -> dict:
+        """What both routes' choices share. The text ends before a stop token or stop string, as in vLLM."""
+        ids = c.token_ids[:-1] if c.finish_reason == "stop" and c.text is None else c.token_ids
+        skip = body.get("skip_special_tokens") is not False
+        return {"index": index, "text": c.text if c.text is not None else self.decode(ids, skip),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "token_ids": c.token_ids if body.get("return_token_ids") else None,
+                "adapter": model, "adapter_digest": c.adapter_digest}
+
+    def completion_logprobs(self, c, name) -> dict:
+        tokens, clamp = [name(t) for t in c.token_ids], lambda lp: max(lp, -9999.0)  # -inf is sent as -9999.0
+        tops = [{name(t): clamp(lp)} | {name(a): clamp(b) for a, b in (top or {}).items()}
+                for t, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs or [None] * len(c.token_ids))]
+        return {"text_offset": [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))],
+                "token_logprobs": [clamp(lp) for lp in c.logprobs], "tokens": tokens, "top_logprobs": tops}
+
+    def chat_logprobs(self, c, top: int) -> dict:
+        entry = lambda t, lp: {"token": self.decode([t], False), "logprob": max(lp, -9999.0),
+                               "bytes": list(self.decode([t], False).encode())}
+        alternatives = c.top_logprobs or [{}] * len(c.token_ids)
+        return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, b) for a, b in list(alts.items())[:top]]}
+                            for t, lp, alts in zip(c.token_ids, c.logprobs, alternatives)]}
+
+    def respond(self, out, prompts: list[list[int]], model: str, body: dict, prefix: str) -> web.Response:
         if isinstance(out, Exception):
-            return error(500, f"{type(out).__name__}: {out}", "InternalServerError")
-        choices = [self.choice(i * params.n + j, c, body, p) for i, (p, group) in enumerate(zip(prompts, out))
-                   for j, c in enumerate(group)]
+            return P.error(500, f"{type(out).__name__}: {out}", "InternalServerError")
         completion = sum(len(c.token_ids) for group in out for c in group)
-        prompt_tokens = sum(len(p) for p in prompts)
-        return web.json_response({
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "service_tier": None, "system_fingerprint": None, "kv_transfer_params": None,
-            "ec_transfer_params": None, "metrics": None,
-            "usage": {"prompt_tokens": prompt_tokens * params.n, "total_tokens": prompt_tokens * params.n + completion,
-                      "completion_tokens": completion, "prompt_tokens_details": None, "completion_tokens_details": None}})
+        prompt_tokens = sum(map(len, prompts))  # once per prompt, whatever n is
+        digest = ",".join(dict.fromkeys(c.adapter_digest for g in out for c in g if c.finish_reason != "abort"))
+        return P.json_response({
+            "id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model, **body,
+            "service_tier": None, "system_fingerprint": None, "kv_transfer_params": None,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion,
+                      "completion_tokens": completion, "prompt_tokens_details": None,
+                      "completion_tokens_details": None}},
+            headers={P.ADAPTER_HEADER: model, P.DIGEST_HEADER: digest})
 
     # ---- runtime LoRA ----
     async def load_lora(self, request: web.Request):
         if request.content_type != "application/json":
-            return error(400, "Unsupported Media Type: Only 'application/json' is allowed")
-        body = await read_json(request)
+            return P.error(400, "Unsupported Media Type: Only 'application/json' is allowed")
+        body = await P.read_json(request, self.cfg.body_timeout_s)
         name, path = body.get("lora_name"), body.get("lora_path")
         if not name or not path or not isinstance(name, str) or not isinstance(path, str):
-            return error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+            return P.error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        for key, value in (("lora_name", name), ("lora_path", path)):
+            if "\0" in value:
+                return P.error(400, f"{key} must not contain a NUL byte", "InvalidUserInput", key)
         if name == self.name:
-            return error(400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput")
-        if name in self.adapters and not body.get("load_inplace"):
-            return error(400, f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
-                              "in place, set 'load_inplace' to True.", "InvalidUserInput")
-        if not os.path.isabs(path):
-            return error(400, "lora_path must be an absolute path: this server does not download adapters", "InvalidUserInput")
+            return P.error(400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput")
+        if name in self.scheduler.adapters and not body.get("load_inplace"):
+            return P.error(400, P.already_loaded(name), "InvalidUserInput")
+        url = "://" in path  # read by lora.read_adapter, wherever it lives
+        if not url and not os.path.isabs(path):
+            return P.error(400, "lora_path must be an absolute path: this server does not download adapters",
+                           "InvalidUserInput", "lora_path")
         root = os.path.realpath(self.cfg.lora_root) if self.cfg.lora_root else None
-        if root and os.path.commonpath([root, os.path.realpath(path)]) != root:
-            return error(400, "lora_path lies outside the directory this server may read (--lora_root)", "InvalidUserInput")
-        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
-            return error(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
+        if root and (url or os.path.commonpath([root, os.path.realpath(path)]) != root):
+            return P.error(400, "lora_path lies outside the directory this server may read (--lora_root)",
+                           "InvalidUserInput", "lora_path")
         try:
-            config, tensors = read_adapter(path)
-            r, alpha = int(config["r"]), float(config["lora_alpha"])
-            if r > self.cfg.max_lora_rank:
-                raise ValueError(f"LoRA rank {r} is greater than max_lora_rank {self.cfg.max_lora_rank}.")
-            check_adapter(self.model, tensors, r)
+            weights = await asyncio.to_thread(self.scheduler.read, path)
         except FileNotFoundError:
-            return error(500, f"Call to add_lora method failed: {path} doesn't contain tensors", "InternalServerError")
-        except (ValueError, KeyError, OSError) as e:
-            return error(500, f"Call to add_lora method failed: {e}", "InternalServerError")
-        if self.active == name:
-            self.active = None  # reloaded in place: apply the new weights on next use
-        self.adapters[name] = Adapter(path, r, alpha, int(time.time()))
-        self.cache[name] = tensors
-        self.tensors(name)
+            return P.error(404, f"Loading lora {name} failed: {P.NO_ADAPTER} for {path}", "NotFoundError")
+        except (ValueError, OSError) as e:
+            return P.error(500, f"Call to add_lora method failed: {e}", "InternalServerError")
+        if name in self.scheduler.adapters and not body.get("load_inplace"):  # another load won while we read
+            return P.error(400, P.already_loaded(name), "InvalidUserInput")
+        self.scheduler.add(name, Adapter(path, int(time.time())), weights)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora(self, request: web.Request):
-        body = await read_json(request)
-        name = body.get("lora_name")
-        if not name:
-            return error(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
-        if name not in self.adapters:
-            return error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
-        del self.adapters[name]
-        self.cache.pop(name, None)
+        name = (await P.read_json(request, self.cfg.body_timeout_s)).get("lora_name")
+        if not name or not isinstance(name, str):
+            return P.error(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
+        if name not in self.scheduler.adapters:
+            return P.error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        self.scheduler.remove(name)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     # ---- models, health, dev mode ----
@@ -288,27 +338,19 @@ class Server:
         def card(id_, root, parent, max_len, created):
             return {"id": id_, "object": "model", "created": created, "owned_by": "vllm", "root": root,
                     "parent": parent, "max_model_len": max_len, "permission": []}
-        now = int(time.time())
-        data = [card(self.name, self.cfg.model, None, self.max_model_len, now)]
-        data += [card(n, a.path, self.name, None, a.created) for n, a in self.adapters.items()]
-        return web.json_response({"object": "list", "data": data})
+        data = [card(self.name, self.cfg.model, None, self.max_model_len, int(time.time()))]
+        data += [card(n, a.path, self.name, None, a.created) for n, a in self.scheduler.adapters.items()]
+        return P.json_response({"object": "list", "data": data})
 
     async def pause(self, request):
         mode = request.query.get("mode", "abort")
         if mode not in ("abort", "wait", "keep"):
             return web.json_response({"error": f"Invalid mode: {mode!r}; expected abort, wait or keep"}, status=400)
-        self.paused = mode
-        if mode == "keep":
-            request.app["resumed"].clear()
-        elif mode == "abort":  # queued requests that have not started end now, as aborted
-            while self.pending:
-                job = self.pending.popleft()
-                job.future.set_result([[Completion([], [], "abort")] * job.params.n for _ in job.prompts])
+        self.scheduler.pause(mode)
         return web.json_response({"status": "paused"})
 
     async def resume(self, request):
-        self.paused = None
-        request.app["resumed"].set()
+        self.scheduler.resume()
         return web.json_response({"status": "resumed"})
 
     def info(self) -> dict:
@@ -326,54 +368,27 @@ class Server:
                                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}, "system_env": {}})
 
 
-async def read_json(request: web.Request) -> dict:
-    try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
-        raise BadRequest("the body is not valid JSON")
-    except web.HTTPRequestEntityTooLarge:
-        raise
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
-
-
 def make_app(server: Server, api_key: str = "") -> web.Application:
-    @web.middleware
-    async def guard(request, handler):
-        if api_key and request.path != "/health":
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return web.json_response({"error": "Unauthorized"}, status=401)
-        try:
-            return await handler(request)
-        except BadRequest as e:
-            return error(400, str(e))
-        except web.HTTPRequestEntityTooLarge:
-            return error(413, "the request body is too large")
-        except web.HTTPException as e:  # unknown route or method: FastAPI's plain JSON
-            return web.json_response({"detail": e.reason}, status=e.status)
+    app = web.Application(middlewares=[P.guard(api_key)], client_max_size=server.cfg.max_body_mb * 2**20)
 
-    app = web.Application(middlewares=[guard], client_max_size=8 * 2**20)
-    app["wake"], app["resumed"] = asyncio.Event(), asyncio.Event()
-    app["resumed"].set()
     def fixed(make):  # a route whose answer needs no work
         async def handler(request):
             return make()
         return handler
 
     app.add_routes([
-        web.post("/v1/completions", server.completions), web.post("/v1/load_lora_adapter", server.load_lora),
-        web.post("/v1/unload_lora_adapter", server.unload_lora), web.get("/v1/models", server.models),
-        web.get("/health", fixed(web.Response)),
-        web.post("/pause", server.pause), web.post("/resume", server.resume),
-        web.get("/is_paused", fixed(lambda: web.json_response({"is_paused": server.paused is not None}))),
-        web.post("/reset_prefix_cache", fixed(lambda: web.json_response({"success": True}))),
-        web.get("/server_info", server.server_info),
-        web.get("/get_world_size", fixed(lambda: web.json_response({"world_size": 1})))])
+        web.post(P.COMPLETIONS, server.completions), web.post(P.CHAT, server.chat),
+        web.post(P.LOAD, server.load_lora), web.post(P.UNLOAD, server.unload_lora), web.get(P.MODELS, server.models),
+        web.get(P.HEALTH, fixed(web.Response)), web.get(P.PING, fixed(web.Response)), web.post(P.PING, fixed(web.Response)),
+        web.get(P.VERSION, fixed(lambda: web.json_response({"version": VERSION}))),
+        web.post(P.PAUSE, server.pause), web.post(P.RESUME, server.resume),
+        web.get(P.IS_PAUSED, fixed(lambda: web.json_response({"is_paused": server.scheduler.paused is not None}))),
+        web.post(P.RESET_PREFIX_CACHE, fixed(lambda: web.json_response({"success": True}))),
+        web.get(P.SERVER_INFO, server.server_info),
+        web.get(P.WORLD_SIZE, fixed(lambda: web.json_response({"world_size": 1})))])
 
     async def start_worker(app):
-        app["worker"] = asyncio.create_task(server.worker(app["wake"], app["resumed"]))
+        app["worker"] = asyncio.create_task(server.scheduler.run())
     app.on_startup.append(start_worker)
     return app
 
@@ -384,7 +399,7 @@ def main():
     server = Server(cfg)
     print(f"minigrpo.serve: {server.name} on http://{cfg.host}:{cfg.port} (max_lora_rank {cfg.max_lora_rank}, "
           f"max_loras {cfg.max_loras})\n  {asdict(cfg) | {'api_key': '***' if cfg.api_key else ''}}", flush=True)
-    web.run_app(make_app(server, cfg.api_key), host=cfg.host, port=cfg.port, print=None)
+    P.run(make_app(server, cfg.api_key), cfg.host, cfg.port, cfg.header_timeout_s)
 
 
 if __name__ == "__main__":

@@ -79,17 +79,17 @@ def start(args, port, wait=True):
     return proc
 
 
-def save_random_adapter(path, r=2, alpha=4.0, seed=0, targets=None):
+def save_random_adapter(path, r=2, alpha=4.0, seed=0, targets=None, use_rslora=False):
     """A PEFT adapter for the demo model with non-zero B, so it visibly changes the output."""
     from minigrpo.lora import DEFAULT_TARGETS, adapter_config, inject_lora, lora_layers, lora_state_dict, save_adapter
     from minigrpo.model import load_model
     model, _ = load_model("demo", torch.device("cpu"))
-    inject_lora(model, r, alpha, targets or DEFAULT_TARGETS)
+    inject_lora(model, r, alpha, targets or DEFAULT_TARGETS, use_rslora)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in lora_layers(model).values():
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g) * 0.3)
-    save_adapter(str(path), lora_state_dict(model), adapter_config(r, alpha, targets or DEFAULT_TARGETS, "demo"))
+    save_adapter(str(path), lora_state_dict(model), adapter_config(r, alpha, targets or DEFAULT_TARGETS, "demo", use_rslora))
     return model
 
 
@@ -151,3 +151,24 @@ def s3_bucket(s3_endpoint):
     name = f"minigrpo-{uuid.uuid4().hex[:12]}"
     boto3.client("s3").create_bucket(Bucket=name)
     return f"s3://{name}"
+
+
+def file_digest(path) -> str:
+    """What the trainer recomputes: sha256 of the adapter's weights file, 16 hex digits."""
+    import hashlib
+    return hashlib.sha256(open(os.path.join(path, "adapter_model.safetensors"), "rb").read()).hexdigest()[:16]
+
+
+def raw_authorization(url: str, value: bytes):
+    """(status, parsed JSON) of a GET whose Authorization header carries these exact bytes."""
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.putrequest("GET", u.path)
+    conn.putheader("Authorization", value)
+    conn.endheaders()
+    r = conn.getresponse()
+    status, text = r.status, r.read().decode()
+    conn.close()
+    return status, json.loads(text)

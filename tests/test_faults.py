@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import ROOT, call, free_port, gen_records, start, train_records
 
-from minigrpo.adapters import AdapterStore, digest
-from minigrpo.lora import DEFAULT_TARGETS, adapter_config, inject_lora, lora_state_dict
+from minigrpo.adapters import AdapterStore
+from minigrpo.lora import DEFAULT_TARGETS, adapter_config, adapter_digest, inject_lora, lora_state_dict
 from minigrpo.model import load_model
 from minigrpo.rollouts import RolloutBuffer, read_group
 from minigrpo.run import RunSettings, create_run
@@ -59,7 +59,7 @@ class Watcher(threading.Thread):
             except FileNotFoundError:  # not published yet
                 continue
             try:
-                self.digests.setdefault(name, set()).add(digest(self.storage.get(f"adapters/{name}/adapter_model.safetensors")))
+                self.digests.setdefault(name, set()).add(adapter_digest(self.storage.get(f"adapters/{name}/adapter_model.safetensors")))
             except FileNotFoundError:
                 if self.storage.get("adapters/LATEST").decode().strip() == name:
                     self.incomplete.append(name)  # still named, yet its weights are missing

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 from conftest import tiny_model
 
-from minigrpo.lora import (DEFAULT_TARGETS, LoRALinear, adapter_config, inject_lora, load_adapter, lora_disabled,
-                           lora_layers, lora_state_dict, save_adapter)
+from minigrpo.lora import (DEFAULT_TARGETS, LoRALinear, adapter_config, adapter_digest, inject_lora, load_adapter,
+                           lora_disabled, lora_layers, lora_state_dict, save_adapter)
 
 IDS = torch.tensor([[3, 7, 1, 9, 4, 2, 8, 5]])
 
@@ -115,3 +115,30 @@ def test_peft_adapter_loads_in_ours_with_the_same_logits(tmp_path, arch):
     load_adapter(ours, str(tmp_path))
     torch.testing.assert_close(ours(IDS).logits, theirs(IDS).logits, atol=1e-5, rtol=1e-5)
     assert not torch.equal(ours(IDS).logits, tiny_model(arch)(IDS).logits), "the adapter must change the output"
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_rslora_round_trips_with_peft_in_both_directions(tmp_path, use_rslora):
+    """rsLoRA scales by alpha / sqrt(r): 8 / 2 = 4 here, where plain LoRA scales by 8 / 4 = 2."""
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(DEFAULT_TARGETS), init_lora_weights=False,
+                             use_rslora=use_rslora)
+    theirs = peft.get_peft_model(tiny_model(), config).eval()
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    ours = tiny_model()
+    inject_lora(ours, r=4, alpha=8, use_rslora=use_rslora)
+    assert load_adapter(ours, str(tmp_path / "theirs")) == adapter_digest(
+        (tmp_path / "theirs" / "adapter_model.safetensors").read_bytes())
+    torch.testing.assert_close(ours(IDS).logits, theirs(IDS).logits, atol=1e-5, rtol=1e-5)
+    save_adapter(tmp_path / "ours", lora_state_dict(ours), adapter_config(4, 8, DEFAULT_TARGETS, "tiny", use_rslora))
+    back = peft.PeftModel.from_pretrained(tiny_model(), str(tmp_path / "ours")).eval()
+    torch.testing.assert_close(back(IDS).logits, theirs(IDS).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_an_adapter_with_another_scaling_is_refused(tmp_path):
+    model = tiny_model()
+    inject_lora(model, r=4, alpha=8, use_rslora=True)
+    save_adapter(tmp_path, lora_state_dict(model), adapter_config(4, 8, DEFAULT_TARGETS, "tiny", use_rslora=True))
+    plain = tiny_model()
+    inject_lora(plain, r=4, alpha=8)
+    with pytest.raises(ValueError, match="scaling=4.0"):
+        load_adapter(plain, str(tmp_path))

@@ -7,9 +7,10 @@ import threading
 import time
 
 import pytest
-from conftest import call, free_port, save_random_adapter, start
+from conftest import call, file_digest, free_port, raw_authorization, save_random_adapter, start
 
 from minigrpo.engine import SamplingParams
+from minigrpo.protocol import already_loaded
 from minigrpo.remote import HttpEngine, ServerError
 
 CLIENT, UPSTREAM = "client-key", "replica-token"
@@ -146,3 +147,60 @@ def test_http_engine_fails_clearly_when_nothing_listens(fleet):
     with pytest.raises(ServerError, match=fleet["dead"]):
         engine.load_adapter(0, os.fspath(fleet["dir"]))
     engine.close()
+
+
+def roots(fleet, name):
+    """The path each replica serves `name` from (None where it has no such name), asked directly."""
+    return [next((m["root"] for m in call("GET", r + "/v1/models", key=UPSTREAM)[2]["data"] if m["id"] == name), None)
+            for r in fleet["replicas"]]
+
+
+def test_one_name_never_holds_two_sets_of_weights(fleet):
+    p1, p2 = fleet["dir"] / "w1", fleet["dir"] / "w2"
+    save_random_adapter(p1, seed=21)
+    save_random_adapter(p2, seed=22)
+    refused = (400, {"error": {"message": already_loaded("one"), "type": "InvalidUserInput", "param": None,
+                               "code": 400}})
+    assert load(fleet, "one", p1)[0] == 200
+    assert load(fleet, "one", p2)[::2] == refused and roots(fleet, "one") == [str(p1)] * 2
+    assert load(fleet, "one", p1)[0] == 400 and roots(fleet, "one") == [str(p1)] * 2  # same path: nothing changes
+    # replica B got the name from elsewhere: a load through the proxy is refused and undone on replica A
+    call("POST", fleet["replicas"][1] + "/v1/load_lora_adapter", {"lora_name": "two", "lora_path": str(p2)},
+         key=UPSTREAM)
+    status, _, out = load(fleet, "two", p1)
+    assert (status, out["error"]["message"]) == (400, already_loaded("two")) and roots(fleet, "two") == [None, str(p2)]
+
+
+def test_the_proxy_answers_malformed_input_with_json_4xx(fleet):
+    url = fleet["proxy"] + "/v1/completions"
+    assert call("POST", url, raw=b"[" * 100_000, key=CLIENT)[::2] == (400, {"error": {
+        "message": "the body nests too deeply to parse", "type": "BadRequestError", "param": None, "code": 400}})
+    assert raw_authorization(url, b"Bearer \xff\xfe") == (401, {"error": "Unauthorized"})
+    status, _, out = call("POST", url, raw=b'{"prompt": "\\udcff", "model": "\\udcff"}', key=CLIENT)  # a lone surrogate
+    assert status == 404 and out["error"]["param"] == "model"
+    status, _, out = call("POST", url, raw=b'{"prompt": [2, 3], "temperature": NaN}', key=CLIENT)
+    assert status == 400 and out["error"]["param"] == "temperature"
+    assert call("POST", fleet["proxy"] + "/v1/load_lora_adapter", raw=b'{"lora_name": "x", "lora_path": 1e999',
+                key=CLIENT)[0] == 400
+
+
+def test_http_engine_catches_a_replica_serving_other_weights_under_the_name(fleet):
+    """Policy attribution: each Completion carries the digest of the weights that sampled it, which the trainer
+    compares with the digest of the file the version names."""
+    p1, p2 = fleet["dir"] / "policy-att-v000001", fleet["dir"] / "elsewhere"
+    save_random_adapter(p1, seed=31)
+    save_random_adapter(p2, seed=32)
+    replica = fleet["replicas"][0]
+    engine = HttpEngine(replica, UPSTREAM)
+    engine.load_adapter(1, str(p1))
+    digests = {c.adapter_digest for c in engine.generate([PROMPT], SamplingParams(n=2, max_tokens=3))[0]}
+    assert digests == {file_digest(p1)}
+    call("POST", replica + "/v1/load_lora_adapter", {"lora_name": p1.name, "lora_path": str(p2), "load_inplace": True},
+         key=UPSTREAM)  # someone swaps the weights behind the name
+    swapped = {c.adapter_digest for c in engine.generate([PROMPT], SamplingParams(n=2, max_tokens=3))[0]}
+    assert swapped == {file_digest(p2)} != {file_digest(p1)}
+    second = HttpEngine(replica, UPSTREAM)  # a second generator sees it at load time
+    with pytest.raises(ServerError, match=f"already serves {p1.name} from {p2}, not from {p1}"):
+        second.load_adapter(1, str(p1))
+    engine.close()
+    second.close()

@@ -13,9 +13,9 @@ import torch
 from conftest import tiny_model
 from safetensors.torch import save
 
-from minigrpo.adapters import AdapterStore, digest
+from minigrpo.adapters import AdapterStore
 from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
-from minigrpo.lora import DEFAULT_TARGETS, adapter_config, inject_lora, lora_layers, lora_state_dict
+from minigrpo.lora import DEFAULT_TARGETS, adapter_config, adapter_digest, inject_lora, lora_layers, lora_state_dict
 from minigrpo.rollouts import (AttributionError, Group, Ledger, RolloutBuffer, check_group, compact, expand,
                                group_key, read_group, to_tensors)
 from minigrpo.run import (Lease, Metrics, RunSettings, create_run, join_run, latest_per_step, parse_config,
@@ -211,7 +211,7 @@ def test_publish_writes_a_peft_dir_named_with_the_run_id_and_points_latest_at_it
     publish_model(store, 0)
     assert store.latest() == 0 and store.url(0) == storage.url("adapters/policy-run1-v000000")
     assert storage.list("adapters/policy-run1-v000000") == ["adapter_config.json", "adapter_model.safetensors"]
-    assert store.digest(0) == digest(storage.get("adapters/policy-run1-v000000/adapter_model.safetensors"))
+    assert store.digest(0) == adapter_digest(storage.get("adapters/policy-run1-v000000/adapter_model.safetensors"))
 
 
 def test_retention_keeps_the_window_plus_one_publish_of_grace(storage):

@@ -1,14 +1,15 @@
-"""The vLLM-compatible server as a real process: every shape, status and message of shared/spec/vllm_protocol.md
-that it implements.
+"""The vLLM-compatible server as a real process: the shapes, statuses and messages of vLLM's HTTP API that it
+implements, and a 4xx with a JSON body naming the field for every bad input, without harm to anyone else.
 
     python -m pytest -q tests/test_serve.py
 """
+import json
 import threading
 import time
 
 import pytest
 import torch
-from conftest import call, free_port, save_random_adapter, start
+from conftest import call, file_digest, free_port, raw_authorization, save_random_adapter, start
 
 from minigrpo.engine import SamplingParams, TorchEngine
 
@@ -19,7 +20,8 @@ PROMPT = [2, 3, 11, 4, 5, 12]  # "12+34=" in the demo tokenizer
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = free_port()
-    proc = start(["-m", "minigrpo.serve", "--port", str(port), "--api_key", KEY, "--max_lora_rank", "16", "--seed", "0"], port)
+    proc = start(["-m", "minigrpo.serve", "--port", str(port), "--api_key", KEY, "--max_lora_rank", "16", "--seed", "0",
+                  "--max_cpu_loras", "2"], port)
     yield f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("adapters")
     proc.kill()
 
@@ -45,7 +47,7 @@ def test_completion_has_vllms_shape(server):
         if c["finish_reason"] == "stop":
             assert c["token_ids"][-1] == 0 and c["stop_reason"] is None  # EOS: last id, no stop_reason
     usage = out["usage"]
-    assert usage["prompt_tokens"] == 3 * len(PROMPT)
+    assert usage["prompt_tokens"] == len(PROMPT)  # once per prompt, as vLLM counts, whatever n is
     assert usage["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
@@ -62,7 +64,7 @@ def test_batched_prompts_are_prompt_major_and_stop_token_ids_set_stop_reason(ser
 
 
 def test_seeded_requests_repeat_and_max_tokens_defaults_to_16(server):
-    body = {"prompt": PROMPT, "max_tokens": None, "seed": 7, "return_token_ids": True, "ignore_this_field": 1}
+    body = {"prompt": PROMPT, "max_tokens": None, "seed": 7, "return_token_ids": True}
     a, b = post(server, "/v1/completions", body)[2], post(server, "/v1/completions", body)[2]
     assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
     assert len(a["choices"][0]["token_ids"]) <= 16
@@ -71,7 +73,7 @@ def test_seeded_requests_repeat_and_max_tokens_defaults_to_16(server):
 def test_unknown_model_is_404_with_the_valid_aliases(server):
     status, _, out = post(server, "/v1/completions", {"prompt": PROMPT, "model": "nope"})
     assert status == 404 and out["error"] == {"message": "The model `nope` does not exist. Valid aliases: demo.",
-                                              "type": "NotFoundError", "param": None, "code": 404}
+                                              "type": "NotFoundError", "param": "model", "code": 404}
 
 
 @pytest.mark.parametrize("body, match", [({"prompt": []}, "non-empty"), ({"prompt": [1, -2]}, "out of vocabulary"),
@@ -89,10 +91,16 @@ def test_malformed_json_and_unknown_routes(server):
     assert call("GET", server[0] + "/v1/nothing", key=KEY)[:1] == (404,)
 
 
-def test_key_is_required_except_on_health(server):
-    assert call("GET", server[0] + "/v1/models")[0] == 401
+def test_key_guards_the_v1_routes_only_as_vllm_does(server):
+    assert call("GET", server[0] + "/v1/models")[:3] == (401, '{"error": "Unauthorized"}', {"error": "Unauthorized"})
     assert call("GET", server[0] + "/v1/models", key="wrong")[0] == 401
-    assert call("GET", server[0] + "/health")[:2] == (200, "")
+    for path in ("/health", "/ping", "/is_paused", "/get_world_size"):
+        assert call("GET", server[0] + path)[0] == 200, path
+
+
+def test_version_and_ping_answer(server):
+    assert call("GET", server[0] + "/version")[2] == {"version": "0.33.0+minigrpo"}
+    assert call("GET", server[0] + "/ping")[:2] == (200, "") and call("POST", server[0] + "/ping")[0] == 200
 
 
 def test_lora_load_errors_follow_vllm(server, tmp_path):
@@ -168,3 +176,95 @@ def test_pause_modes_and_server_info(server):
     assert info["lora_config"]["max_lora_rank"] == 16 and info["parallel_config"]["data_parallel_size"] == 1
     assert isinstance(call("GET", server[0] + "/server_info", key=KEY)[2]["vllm_config"], str)
     assert post(server, "/reset_prefix_cache", None)[2] == {"success": True}
+
+
+def test_nul_in_lora_path_is_a_400_naming_it(server):
+    status, _, out = post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp/a\u0000b"})
+    assert status == 400 and out["error"] == {"message": "lora_path must not contain a NUL byte",
+                                              "type": "InvalidUserInput", "param": "lora_path", "code": 400}
+
+
+def test_authorization_bytes_that_are_not_utf8_get_a_json_401(server):
+    assert raw_authorization(server[0] + "/v1/models", b"Bearer \xff\xfe") == (401, {"error": "Unauthorized"})
+
+
+def broken_adapters(root) -> dict:
+    """name -> (path, the reason the load is refused with). Each starts as a valid adapter, then one thing breaks."""
+    from safetensors.torch import load_file, save_file
+    cases = {}
+
+    def make(name, message, config=None, tensors=None):
+        path = root / name
+        save_random_adapter(path, r=2, alpha=4, seed=1)
+        if config:
+            c = json.loads((path / "adapter_config.json").read_text())
+            (path / "adapter_config.json").write_text(json.dumps(c | config))
+        if tensors:
+            weights = path / "adapter_model.safetensors"
+            save_file(tensors(load_file(weights)), weights)
+        cases[name] = (path, message)
+
+    first_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    make("r0", "LoRA rank r must be an integer >= 1, got 0.", config={"r": 0})
+    make("inf_alpha", "lora_alpha must be a finite number, got inf.", config={"lora_alpha": float("inf")})
+    make("dora", "vLLM does not yet support DoRA.", config={"use_dora": True})
+    make("nan", f"{first_a} holds NaN or infinite values", tensors=lambda t: t | {first_a: t[first_a] * float("nan")})
+    make("shape", "model.layers.0.self_attn.q_proj: lora_A (2, 5)",
+         tensors=lambda t: t | {first_a: torch.zeros(2, 5)})
+    make("module", "expected target modules in", tensors=lambda t: t | {
+        "base_model.model.model.layers.0.self_attn.rotary.lora_A.weight": torch.zeros(2, 4)})
+    return cases
+
+
+def seeded(server, model):
+    status, _, out = post(server, "/v1/completions", {"prompt": PROMPT, "model": model, "n": 3, "max_tokens": 6,
+                                                      "seed": 5, "logprobs": 0, "return_token_ids": True})
+    assert status == 200
+    return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in out["choices"]]
+
+
+def test_refused_adapters_leave_the_active_one_serving_exactly_as_before(server, tmp_path):
+    save_random_adapter(tmp_path / "steady", r=2, alpha=4, seed=4)
+    assert post(server, "/v1/load_lora_adapter", {"lora_name": "steady", "lora_path": str(tmp_path / "steady")})[0] \
+        == 200
+    before = seeded(server, "steady")
+    for name, (path, message) in broken_adapters(tmp_path).items():
+        status, _, out = post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        assert status == 500 and out["error"]["message"].startswith(f"Call to add_lora method failed: {message}"), name
+        assert post(server, "/v1/completions", {"prompt": PROMPT, "model": name})[0] == 404
+    assert seeded(server, "steady") == before
+
+
+def test_an_evicted_adapter_is_checked_again_when_it_is_read_back(server, tmp_path):
+    for i in range(3):  # --max_cpu_loras 2: e0 leaves the cache
+        save_random_adapter(tmp_path / f"e{i}", seed=10 + i)
+        body = {"lora_name": f"e{i}", "lora_path": str(tmp_path / f"e{i}")}
+        assert post(server, "/v1/load_lora_adapter", body)[0] == 200
+    before = seeded(server, "e1")
+    from safetensors.torch import load_file, save_file
+    weights = tmp_path / "e0" / "adapter_model.safetensors"
+    save_file({k: v * float("nan") for k, v in load_file(weights).items()}, weights)
+    status, _, out = post(server, "/v1/completions", {"prompt": PROMPT, "model": "e0"})
+    assert status == 500 and "holds NaN or infinite values" in out["error"]["message"]
+    assert seeded(server, "e1") == before
+
+
+def test_every_choice_names_the_adapter_and_the_digest_of_its_file(server):
+    path = server[1] / "att"
+    save_random_adapter(path, seed=8)
+    post(server, "/v1/load_lora_adapter", {"lora_name": "att", "lora_path": str(path)})
+    for model, digest in (("att", file_digest(path)), ("demo", "")):
+        status, _, out = post(server, "/v1/completions", {"prompt": PROMPT, "model": model, "n": 2, "max_tokens": 3})
+        assert status == 200 and (call.headers["X-Adapter-Name"], call.headers["X-Adapter-Digest"]) == (model, digest)
+        assert all((c["adapter"], c["adapter_digest"]) == (model, digest) for c in out["choices"])
+
+
+def test_an_rslora_adapter_is_served_scaled_by_alpha_over_sqrt_r(server):
+    path = server[1] / "rs"
+    local = save_random_adapter(path, r=4, alpha=8, seed=6, use_rslora=True)
+    assert post(server, "/v1/load_lora_adapter", {"lora_name": "rs", "lora_path": str(path)})[0] == 200
+    mine = TorchEngine(local, [0], 0).generate([PROMPT], SamplingParams(n=3, max_tokens=6, seed=5))[0]
+    served = seeded(server, "rs")
+    assert [ids for ids, _ in served] == [c.token_ids for c in mine]
+    for (_, lps), m in zip(served, mine):
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(m.logprobs), atol=1e-4, rtol=0)

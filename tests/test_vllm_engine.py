@@ -1,5 +1,5 @@
 """The vllm engine against a stand-in `vllm` module that records every call (vLLM itself needs a GPU). The stand-in
-checks what vLLM's offline API (vllm/entrypoints/llm.py, vllm/lora/request.py) requires.
+checks what vLLM's offline API requires (vllm/entrypoints/llm.py, vllm/lora/request.py).
 
     python -m pytest -q tests/test_vllm_engine.py
 """
@@ -83,7 +83,7 @@ def test_each_version_is_a_new_lora_request_and_old_ones_are_removed(fake_vllm, 
 
 def test_generate_sends_token_prompts_and_returns_sampled_logprobs(fake_vllm, tmp_path):
     engine = VllmEngine("m", lora_r=8)
-    engine.load_adapter(3, str(tmp_path / "policy-v000003"))
+    engine.load_adapter(3, str(tmp_path / "policy-v000003"))  # served under its directory's name
     groups = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(n=2, max_tokens=9, temperature=0.8, stop_token_ids=(0,)))
     prompts, sp, request = engine.llm.calls[-1]
     assert prompts == [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}]

@@ -1,0 +1,136 @@
+"""The HTTP protocol, written once for the server (minigrpo/serve.py), the proxy (proxy.py) and the http engine
+(minigrpo/remote.py): vLLM's routes, its error bodies, its auth rule, the headers a hop drops, and the two
+things minigrpo adds: strict input handling and policy attribution. It imports nothing else from the project.
+
+What it copies from vLLM (v0.27-v0.33 sources):
+  - error body: {"error": {"message", "type", "param", "code"}}, `ErrorResponse` in
+    vllm/entrypoints/serve/engine/protocol.py; `param` names the offending field;
+  - auth: with --api-key, only paths under /v1 need `Authorization: Bearer KEY`; /health, /ping, /version and
+    the dev routes (/pause, /server_info, ...) stay open, and a refusal is 401 {"error": "Unauthorized"}
+    (vllm/entrypoints/serve/middleware/authenticate.py);
+  - the texts clients match on: "has already been loaded" (vllm/entrypoints/openai/models/serving.py) and
+    "No adapter found" (vllm/exceptions.py).
+What it adds:
+  - every malformed input is a 4xx with a JSON body, never a 500: invalid UTF-8, nesting that exhausts the
+    parser, a body over the size limit or slower than the body timeout, header bytes that are not UTF-8. NaN and
+    Infinity parse as floats so that the field check can name the field they sit in, and no response ever
+    carries a bare NaN (which is not JSON);
+  - a connection that has not sent a whole request head within the header timeout is closed, so half-sent
+    requests cannot pile up until file descriptors run out;
+  - policy attribution: every completion names the adapter that sampled it and the digest of its weights
+    (minigrpo/lora.py, adapter_digest), in the ADAPTER_HEADER / DIGEST_HEADER response headers and in each choice.
+"""
+import asyncio
+import hmac
+import json
+import resource
+
+from aiohttp import web
+
+COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
+LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+HEALTH, PING, VERSION = "/health", "/ping", "/version"
+PAUSE, RESUME, IS_PAUSED, RESET_PREFIX_CACHE = "/pause", "/resume", "/is_paused", "/reset_prefix_cache"
+SERVER_INFO, WORLD_SIZE = "/server_info", "/get_world_size"
+EVERY_REPLICA = (PAUSE, RESUME, RESET_PREFIX_CACHE)  # a proxy sends these to all replicas
+
+ADAPTER_HEADER, DIGEST_HEADER = "X-Adapter-Name", "X-Adapter-Digest"
+NO_ADAPTER, LOADED = "No adapter found", "has already been loaded"
+RETRY_STATUS = (500, 502, 503, 504)  # worth another try from a client
+
+# never passed through a proxy in either direction: hop-by-hop headers, credentials, and what aiohttp recomputes
+HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+               "transfer-encoding", "upgrade", "host", "authorization", "content-length", "content-encoding"}
+
+
+class BadRequest(Exception):
+    """Raised anywhere in a handler; the middleware answers it as vLLM's error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "BadRequestError"):
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+
+def already_loaded(name: str) -> str:
+    return (f"The lora adapter '{name}' {LOADED}. If you want to load the adapter in place, "
+            "set 'load_inplace' to True.")
+
+
+def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
+    """Strict JSON: a NaN or infinity anywhere is a bug, answered as a 500 that says so rather than sent bare."""
+    try:
+        text = json.dumps(data, allow_nan=False)
+    except ValueError:
+        return error(500, "the response held a NaN or infinite number", "InternalServerError")
+    return web.Response(text=text, status=status, headers=headers, content_type="application/json")
+
+
+def error(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> web.Response:
+    return json_response({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body as a dict, or BadRequest. NaN and Infinity parse as floats, for the field checks to name."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("the body nests too deeply to parse") from None
+    except ValueError as e:  # includes UnicodeDecodeError and ints over Python's digit limit
+        raise BadRequest(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    try:
+        return await asyncio.wait_for(request.read(), timeout_s)
+    except asyncio.TimeoutError:
+        message = f"the request body did not arrive within {timeout_s:g}s"
+        raise BadRequest(message, None, 408, "RequestTimeout") from None
+
+
+async def read_json(request: web.Request, timeout_s: float) -> dict:
+    return parse_json(await read_body(request, timeout_s))
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def authorized(request: web.Request, api_key: str) -> bool:
+    """vLLM's rule: without a key, or outside /v1, anyone; otherwise the exact bearer key (compared in constant
+    time, on the raw header bytes: aiohttp keeps bytes that are not UTF-8 as surrogates)."""
+    if not api_key or not request.path.startswith("/v1"):
+        return True
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {api_key}".encode())
+
+
+def forwardable(headers) -> dict:
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+
+
+def guard(api_key: str):
+    """The middleware both servers run: auth first, then every failure answered as vLLM's JSON error body."""
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if not authorized(request, api_key):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return error(e.status, str(e), e.kind, e.param)
+        except web.HTTPRequestEntityTooLarge as e:
+            return error(413, e.text)
+        except web.HTTPException as e:  # unknown route or method: FastAPI's plain JSON, as vLLM answers
+            return web.json_response({"detail": e.reason}, status=e.status)
+    return middleware
+
+
+def run(app: web.Application, host: str, port: int, header_timeout_s: float):
+    """Serve until interrupted. aiohttp closes a connection that has not sent a whole request within its keep-alive
+    timeout (idle ones too), which makes that timeout the header timeout. The file limit goes up to the hard cap."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))
+    web.run_app(app, host=host, port=port, print=None, keepalive_timeout=header_timeout_s)

@@ -1,0 +1,180 @@
+"""The server's batching scheduler: requests that arrive together share a batch, fairly, one adapter at a time.
+
+    scheduler.add(name, path, weights)        register a checked adapter (see read())
+    await scheduler.submit(model, prompts, params)   -> per prompt, a list of n Completions, or the exception
+    scheduler.run()                           the worker task; pause(mode) / resume() as vLLM's /pause and /resume
+
+  - A request is cut into one unit per prompt. Each round takes one unit from each waiting request in turn until
+    the round holds --max_batch_rows rows or --max_loras distinct adapters, so a large request cannot starve a
+    small one: a one-token request waits for at most the round in progress.
+  - A round runs one engine call per adapter. Switching the LoRA layers is all or nothing: the weights are
+    checked whole before the first layer is written, and the layers count as switched only once all are.
+  - If an engine call fails, each request in it is run again alone, so an error reaches only its own request.
+  - Adapter weights live in an LRU cache of --max_cpu_loras entries. An evicted adapter is read again from its
+    path when next used, as vLLM does, and its completions carry the digest of what was actually read.
+"""
+import asyncio
+import collections
+import threading
+from dataclasses import dataclass
+
+from minigrpo.engine import Completion, SamplingParams
+from minigrpo.lora import apply_adapter, check_adapter, check_config, lora_layers, read_adapter
+
+
+@dataclass
+class Weights:
+    r: int
+    scaling: float
+    tensors: dict
+    digest: str
+
+
+@dataclass
+class Adapter:
+    path: str
+    created: int
+
+
+@dataclass(eq=False)
+class Job:
+    model: str  # the served name, base or adapter
+    prompts: list[list[int]]
+    params: SamplingParams
+    future: asyncio.Future
+
+    def __post_init__(self):
+        self.waiting = collections.deque(range(len(self.prompts)))  # prompts not yet in a round
+        self.results = [None] * len(self.prompts)  # per prompt, its n Completions once sampled
+        self.left = len(self.prompts)  # prompts not yet sampled
+
+    def finish(self, i: int, completions: list[Completion]):
+        self.results[i], self.left = completions, self.left - 1
+        if self.left == 0 and not self.future.done():
+            self.future.set_result(self.results)
+
+    def fail(self, e: Exception):
+        self.waiting.clear()
+        if not self.future.done():
+            self.future.set_result(e)
+
+
+class Scheduler:
+    def __init__(self, model, engine, base: str, max_lora_rank: int, max_loras: int, max_batch_rows: int,
+                 max_cpu_loras: int):
+        self.model, self.engine, self.base, self.max_lora_rank = model, engine, base, max_lora_rank
+        self.max_loras, self.max_batch_rows, self.max_cpu_loras = max_loras, max_batch_rows, max_cpu_loras
+        self.adapters: dict[str, Adapter] = {}
+        self.cache = collections.OrderedDict()  # name -> Weights, least recently used first
+        self.lock = threading.Lock()  # the cache is touched by the event loop (loads) and the sampling thread
+        self.active = None  # the Adapter record (or base name) whose weights the LoRA layers hold now
+        self.jobs: collections.deque[Job] = collections.deque()
+        self.wake, self.resumed = asyncio.Event(), asyncio.Event()
+        self.resumed.set()
+        self.paused = None  # None, or the pause mode
+
+    # ---- adapters ----
+    def read(self, path: str) -> Weights:
+        """Read and check an adapter whole (FileNotFoundError, or ValueError with vLLM's reason); writes nothing."""
+        config, tensors, digest = read_adapter(path)
+        r, scaling = check_config(config)
+        if r > self.max_lora_rank:
+            raise ValueError(f"LoRA rank {r} is greater than max_lora_rank {self.max_lora_rank}.")
+        check_adapter(self.model, tensors, r)
+        return Weights(r, scaling, tensors, digest)
+
+    def weights(self, name: str, fresh: Weights | None = None) -> Weights:
+        with self.lock:
+            w = fresh or self.cache.pop(name, None) or self.read(self.adapters[name].path)
+            self.cache[name] = w  # now the most recently used
+            while len(self.cache) > self.max_cpu_loras:
+                self.cache.popitem(last=False)
+            return w
+
+    def add(self, name: str, adapter: Adapter, weights: Weights):
+        self.adapters[name] = adapter  # a new record: an in-place reload is applied on next use
+        self.weights(name, weights)
+
+    def remove(self, name: str):
+        del self.adapters[name]
+        with self.lock:
+            self.cache.pop(name, None)
+
+    def switch(self, name: str):
+        """In the sampling thread: point the LoRA layers at this adapter (or switch them off for the base)."""
+        target = self.base if name == self.base else self.adapters[name]
+        if self.active is target:
+            return
+        self.active = None  # until every layer holds the new weights
+        if name == self.base:
+            for layer in lora_layers(self.model).values():
+                layer.scaling = 0.0
+            self.engine.digest = ""
+        else:
+            w = self.weights(name)
+            apply_adapter(self.model, w.tensors, w.r, w.scaling)
+            self.engine.digest = w.digest
+        self.active = target
+
+    # ---- requests ----
+    async def submit(self, model: str, prompts: list[list[int]], params: SamplingParams):
+        job = Job(model, prompts, params, asyncio.get_running_loop().create_future())
+        self.jobs.append(job)
+        self.wake.set()
+        return await job.future
+
+    def take(self) -> list[tuple[Job, int]]:
+        """One round: a prompt from each waiting job in turn, within the row and adapter limits."""
+        names, units, rows, more = set(), [], 0, True
+        while more:
+            more = False
+            for job in self.jobs:
+                rows_after = rows + job.params.n
+                if job.waiting and (job.model in names or len(names) < self.max_loras) and (
+                        not units or rows_after <= self.max_batch_rows):
+                    names.add(job.model)
+                    units.append((job, job.waiting.popleft()))
+                    rows, more = rows_after, True
+        self.jobs = collections.deque(j for j in self.jobs if j.waiting)
+        return units
+
+    def sample(self, name: str, units: list[tuple[Job, int]]) -> list[list[Completion]]:
+        self.switch(name)
+        return self.engine.generate([job.prompts[i] for job, i in units], [job.params for job, _ in units])
+
+    async def run(self):
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            while self.jobs:
+                await self.resumed.wait()  # a pause with mode=keep freezes what is queued until /resume
+                units = self.take()
+                for name in dict.fromkeys(job.model for job, _ in units):
+                    await self.run_alone_on_failure(name, [u for u in units if u[0].model == name])
+
+    async def run_alone_on_failure(self, name: str, units: list[tuple[Job, int]]):
+        try:
+            outs = await asyncio.to_thread(self.sample, name, units)
+        except Exception as e:  # noqa: BLE001 -- whatever broke, it is answered as a 500 and the server goes on
+            jobs = list(dict.fromkeys(job for job, _ in units))
+            if len(jobs) == 1:
+                return jobs[0].fail(e)
+            for job in jobs:  # find who caused it: each request again, alone
+                await self.run_alone_on_failure(name, [u for u in units if u[0] is job])
+            return
+        for (job, i), out in zip(units, outs):
+            job.finish(i, out)
+
+    def pause(self, mode: str):
+        self.paused = mode
+        if mode == "keep":
+            self.resumed.clear()
+        elif mode == "abort":  # prompts not yet sampled end now, as aborted
+            for job in self.jobs:
+                while job.waiting:
+                    job.finish(job.waiting.popleft(), [Completion([], [], "abort")] * job.params.n)
+            self.jobs.clear()
+
+    def resume(self):
+        self.paused = None
+        self.resumed.set()
