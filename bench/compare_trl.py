@@ -11,7 +11,7 @@ completions per optimizer step, at most 8 new tokens, temperature 1, top_p 1, to
   minigrpo     its real scripts, generate.py and train.py, as two processes (one thread each) on a fresh run directory,
                with every training default (grpo loss, behaviour log-probs, max_staleness 4, an adapter per step)
   trl_default  GRPOTrainer with TRL's own defaults for everything not matched above (TRL 1.16: loss_type="dapo",
-               scale_rewards="group", epsilon 0.2, beta 0, one iteration per batch); one process, two threads
+               scale_rewards="group", epsilon 0.2, beta 0, one iteration per batch); one process, one thread
   trl_dapo     TRL's documented DAPO settings: loss_type="dapo", epsilon_high=0.28 (clip-higher),
                mask_truncated_completions=True (overlong filtering)
   trl_grpo, trl_dr_grpo   optional (--arms): TRL with minigrpo's loss, and TRL's Dr. GRPO (scale_rewards="none")
@@ -23,6 +23,11 @@ TRL keeps a copy of the LoRA weights after every optimizer step and writes the c
 step that ends after t; for minigrpo the bench reads adapters/LATEST at t and copies that version. TRL stops at
 the first step that ends after the budget, minigrpo's two processes are killed at the budget; neither arm's
 steps after the budget are counted or evaluated. Steps per second = steps complete at the budget / budget.
+
+Threads. minigrpo's generator and trainer take one thread each (their defaults), two cores in all. TRL runs one
+process; --trl_threads sets its torch threads. It defaults to 1: on a busy 2-core machine a second thread made a
+TRL step take 15 s instead of 0.22 s (the threads wait on each other while other processes hold the cores). On
+a quiet machine, also run --trl_threads 2 and keep TRL's better figure.
 
 One evaluator for every arm: train.py's own `evaluate` (the first --eval_size held-out problems at T=1, problem i
 sampled with seed * 1_000_003 + i) on minigrpo's torch engine with the arm's adapter loaded, after the runs, so
@@ -158,6 +163,7 @@ def check_same_weights(peft_model, tokenizer, weights, adapter_json, out):
     err = (theirs - mine).abs().max().item()
     if err > 1e-4:
         raise SystemExit(f"TRL's adapter, loaded by minigrpo, gives other logits (max diff {err:.2e})")
+    print(f"TRL's final adapter in minigrpo's model: logits within {err:.1e} of the peft model's", flush=True)
     shutil.rmtree(path)
 
 
@@ -271,7 +277,8 @@ def main():
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every arm")
     p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, from {','.join(ARMS)}")
     p.add_argument("--eval_size", type=int, default=400, help="held-out problems per evaluation (train.py's default)")
-    p.add_argument("--trl_threads", type=int, default=2, help="torch threads of TRL's one process (minigrpo: 1+1)")
+    p.add_argument("--trl_threads", type=int, default=1, help="torch threads of TRL's one process (minigrpo runs two "
+                   "processes of one thread each); see the docstring")
     p.add_argument("--work_dir", default="", help="keep each arm's logs and adapters here (default: a temp folder)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--arm", default="", help=argparse.SUPPRESS)
@@ -289,8 +296,8 @@ def main():
     if args.point_list[-1] != args.budget_s:
         raise SystemExit(f"--points must end at the budget ({args.budget_s:g} s)")
     work = args.work_dir or tempfile.mkdtemp(prefix="compare-trl-")
-    os.environ.update(bench_env(args.trl_threads))
-    evaluator = Evaluator(args.eval_size, args.trl_threads)
+    os.environ.update(bench_env(1))
+    evaluator = Evaluator(args.eval_size, threads=1)
 
     runs = []  # one per arm and seed
     for seed in range(args.seeds):  # arms take turns within a seed, so that slow spells of the machine hit all alike
@@ -321,8 +328,10 @@ def main():
              f"{', '.join(map(str, range(args.seeds)))}) of the newest adapter complete at each second of training "
              f"since the arm's start; base: the shipped model; steps/s: optimizer steps of 128 completions done in "
              f"the {args.budget_s:g} s budget / budget." + (f" Logs and adapters: {work}" if args.work_dir else ""))
-    report("compare_trl", rows, notes, extra={"runs": runs, "settings": {k: v for k, v in vars(args).items()
-                                                                        if k in ("budget_s", "seeds", "arms", "eval_size", "trl_threads")}})
+    import peft, torch, transformers, trl
+    settings = {k: getattr(args, k) for k in ("budget_s", "point_list", "seeds", "arms", "eval_size", "trl_threads")}
+    versions = {m.__name__: m.__version__ for m in (trl, peft, transformers, torch)}
+    report("compare_trl", rows, notes, extra={"settings": settings, "versions": versions, "runs": runs})
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
 
