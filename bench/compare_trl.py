@@ -82,6 +82,8 @@ def trl_worker(args):
     torch.set_num_threads(args.threads)
     m, task = matched(), ReverseAddition()
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    if tokenizer.chat_template:  # minigrpo would template its prompts (tasks.prompt_ids); TRL gets raw text here
+        raise SystemExit("the demo tokenizer has a chat template now: give TRL conversational prompts to match")
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32)
     dataset = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer}
                                  for p in (task.problem(a, b) for a, b in task.train_pairs)])
