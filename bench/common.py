@@ -35,8 +35,8 @@ def timed_together(fns: dict, iters: int = 5, warmup: int = 1) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def report(name: str, rows: list[dict], notes: str = "") -> str:
-    """Print rows as a table and write them to bench/results/<name>.json."""
+def report(name: str, rows: list[dict], notes: str = "", extra: dict | None = None) -> str:
+    """Print rows as a table and write them to bench/results/<name>.json (with `extra`, e.g. per-run data)."""
     keys = list(dict.fromkeys(k for r in rows for k in r))
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
     widths = [max(len(k), *(len(fmt(r.get(k, ""))) for r in rows)) for k in keys]
@@ -49,5 +49,5 @@ def report(name: str, rows: list[dict], notes: str = "") -> str:
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     path = os.path.join(ROOT, "bench", "results", f"{name}.json")
     with open(path, "w") as f:
-        json.dump({"rows": rows, "notes": notes, "time": time.time()}, f, indent=2)
+        json.dump({"rows": rows, "notes": notes, **(extra or {}), "time": time.time()}, f, indent=2)
     return path

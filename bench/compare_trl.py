@@ -1,0 +1,342 @@
+"""minigrpo against TRL's GRPOTrainer with peft LoRA, on the demo task, for the same training wall-clock.
+
+    pip install -r requirements-bench.txt      # TRL, in an environment of its own (see that file)
+    python bench/compare_trl.py                # 3 arms x 3 seeds x 150 s of training, plus evaluation: ~30 minutes
+    python bench/compare_trl.py --budget_s 20 --seeds 1      # a smoke run
+
+The arms, all from the shipped base (minigrpo/demo_model), with the same tokenizer and raw-text prompts (the demo
+tokenizer has no chat template), the same reward (minigrpo.tasks.score on the training problems), LoRA r=8,
+alpha=16 on the same seven projections, learning rate 3e-3 (constant), G=8 completions per prompt, 128
+completions per optimizer step, at most 8 new tokens, temperature 1, top_p 1, top_k off, float32, on the CPU:
+  minigrpo     its real scripts, generate.py and train.py, as two processes (one thread each) on a fresh run directory,
+               with every training default (grpo loss, behaviour log-probs, max_staleness 4, an adapter per step)
+  trl_default  GRPOTrainer with TRL's own defaults for everything not matched above (TRL 1.16: loss_type="dapo",
+               scale_rewards="group", epsilon 0.2, beta 0, one iteration per batch); one process, one thread
+  trl_dapo     TRL's documented DAPO settings: loss_type="dapo", epsilon_high=0.28 (clip-higher),
+               mask_truncated_completions=True (overlong filtering)
+  trl_grpo, trl_dr_grpo   optional (--arms): TRL with minigrpo's loss, and TRL's Dr. GRPO (scale_rewards="none")
+
+Equal budgets. Each arm's clock starts when its training can start, with the model loaded: TRL's on_train_begin;
+for minigrpo, the moment train.py publishes version 0 (adapters/LATEST appears), which is when generate.py may
+take its first batch. At each time point t the arm's adapter is the newest one complete at t after that start:
+TRL keeps a copy of the LoRA weights after every optimizer step and writes the copy made before t at the first
+step that ends after t; for minigrpo the bench reads adapters/LATEST at t and copies that version. TRL stops at
+the first step that ends after the budget, minigrpo's two processes are killed at the budget; neither arm's
+steps after the budget are counted or evaluated. Steps per second = steps complete at the budget / budget.
+
+Threads. minigrpo's generator and trainer take one thread each (their defaults), two cores in all. TRL runs one
+process; --trl_threads sets its torch threads. It defaults to 1: on a busy 2-core machine a second thread made a
+TRL step take 15 s instead of 0.22 s (the threads wait on each other while other processes hold the cores). On
+a quiet machine, also run --trl_threads 2 and keep TRL's better figure.
+
+One evaluator for every arm: train.py's own `evaluate` (the first --eval_size held-out problems at T=1, problem i
+sampled with seed * 1_000_003 + i) on minigrpo's torch engine with the arm's adapter loaded, after the runs, so
+evaluation takes no training time. Seed s seeds the arm (LoRA init, prompts, sampling) and its evaluation.
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+from common import ROOT, report
+
+ARMS = {  # TRL settings beyond the matched ones; None: minigrpo
+    "minigrpo": None,
+    "trl_default": {},
+    "trl_dapo": {"loss_type": "dapo", "epsilon_high": 0.28, "mask_truncated_completions": True},
+    "trl_grpo": {"loss_type": "grpo"},
+    "trl_dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none"},
+}
+DEFAULT_ARMS = "minigrpo,trl_default,trl_dapo"
+
+
+def matched():
+    """The settings both arms share: minigrpo's defaults (RunSettings, TrainConfig, GenerateConfig)."""
+    from minigrpo.run import RunSettings
+    from train import TrainConfig
+    run, cfg = RunSettings(), TrainConfig()
+    return SimpleNamespace(run=run, lr=cfg.lr, groups_per_step=cfg.groups_per_step, max_grad_norm=cfg.max_grad_norm,
+                           weight_decay=cfg.weight_decay, completions_per_step=cfg.groups_per_step * run.group_size)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the TRL arm, in a process of its own: python bench/compare_trl.py --worker trl ...
+def trl_worker(args):
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from minigrpo.lora import adapter_config, save_adapter
+    from minigrpo.model import DEMO_MODEL
+    from minigrpo.tasks import Problem, ReverseAddition, score
+
+    torch.set_num_threads(args.threads)
+    m, task = matched(), ReverseAddition()
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    if tokenizer.chat_template:  # minigrpo would template its prompts (tasks.prompt_ids); TRL gets raw text here
+        raise SystemExit("the demo tokenizer has a chat template now: give TRL conversational prompts to match")
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32)
+    dataset = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer}
+                                 for p in (task.problem(a, b) for a, b in task.train_pairs)])
+
+    def reverse_add(prompts, completions, completion_ids, answer, **_):
+        """minigrpo's reward, through minigrpo's score: the same decoding (special tokens stripped) and comparison."""
+        problems = [Problem(p, a) for p, a in zip(prompts, answer)]
+        return [r[0] for r in score(task, tokenizer, problems, [[SimpleNamespace(token_ids=c)] for c in completion_ids])]
+
+    peft_config = LoraConfig(r=m.run.lora_r, lora_alpha=m.run.lora_alpha, target_modules=list(m.run.lora_targets),
+                             lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    config = GRPOConfig(
+        output_dir=os.path.join(args.out, "trainer"), seed=args.seed, data_seed=args.seed, use_cpu=True,
+        # matched to minigrpo: batch, group, lengths, sampling, optimizer
+        per_device_train_batch_size=m.completions_per_step, gradient_accumulation_steps=1,
+        num_generations=m.run.group_size, max_completion_length=m.run.max_new_tokens,
+        temperature=m.run.temperature, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
+        learning_rate=m.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=m.weight_decay,
+        max_grad_norm=m.max_grad_norm,
+        # not learning settings: float32 like minigrpo (TRL would pick bf16), no recomputation of activations
+        # (TRL turns gradient checkpointing on by default, which only costs time on this model), no files
+        bf16=False, fp16=False, activation_checkpointing=False, save_strategy="no", report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0,
+        max_steps=10**7,  # the wall clock stops it
+        **ARMS[args.arm])
+    adapter_json = adapter_config(peft_config.r, peft_config.lora_alpha, m.run.lora_targets, DEMO_MODEL)
+    points = [float(x) for x in args.points.split(",")]
+    saved = {}
+
+    class WallClock(TrainerCallback):
+        """Starts the clock when training starts; at each point writes the weights of the last step that ended
+        before it; stops at the first step that ends after the budget."""
+
+        def snapshot(self, model, state):
+            return state.global_step, {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+        def on_train_begin(self, args_, state, control, model=None, **kw):
+            self.t0, self.last = time.time(), self.snapshot(model, state)
+
+        def on_step_end(self, args_, state, control, model=None, **kw):
+            now = time.time() - self.t0
+            while points and now >= points[0]:
+                t, (step, weights) = points.pop(0), self.last
+                save_adapter(os.path.join(args.out, f"t{t:g}"), weights, adapter_json)
+                saved[t] = step
+            self.last = self.snapshot(model, state)
+            if not points:
+                control.should_training_stop = True
+            return control
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reverse_add, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=[WallClock()])
+    print("effective:", {k: getattr(config, k) for k in ("loss_type", "scale_rewards", "epsilon", "epsilon_high", "beta",
+          "num_iterations", "mask_truncated_completions", "generation_batch_size", "steps_per_generation",
+          "activation_checkpointing", "bf16", "optim", "lr_scheduler_type")},
+          "| checkpointing:", trainer.model.is_activation_checkpointing, flush=True)
+    trainer.train()
+    check_same_weights(trainer.model, tokenizer, get_peft_model_state_dict(trainer.model), adapter_json, args.out)
+    with open(os.path.join(args.out, "steps.json"), "w") as f:
+        json.dump({f"{t:g}": s for t, s in saved.items()}, f)
+
+
+def check_same_weights(peft_model, tokenizer, weights, adapter_json, out):
+    """The evaluator must see exactly TRL's policy: the trained peft model and minigrpo's model with the adapter
+    written from it give the same logits."""
+    import torch
+
+    from minigrpo.lora import inject_lora, load_adapter, save_adapter
+    from minigrpo.model import load_model
+    path = os.path.join(out, "final")
+    save_adapter(path, weights, adapter_json)
+    ours, _ = load_model("demo", torch.device("cpu"))
+    inject_lora(ours, adapter_json["r"], adapter_json["lora_alpha"], adapter_json["target_modules"])
+    load_adapter(ours, path)
+    ids = torch.tensor([tokenizer(f"{a}+{b}=12")["input_ids"] for a, b in ((12, 34), (99, 99), (50, 17))])
+    peft_model.eval()
+    with torch.no_grad():
+        theirs, mine = peft_model(input_ids=ids).logits, ours(input_ids=ids).logits
+    err = (theirs - mine).abs().max().item()
+    if err > 1e-4:
+        raise SystemExit(f"TRL's adapter, loaded by minigrpo, gives other logits (max diff {err:.2e})")
+    print(f"TRL's final adapter in minigrpo's model: logits within {err:.1e} of the peft model's", flush=True)
+    shutil.rmtree(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def run_trl(arm, seed, args, out) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "trl", "--arm", arm, "--seed", str(seed),
+           "--out", out, "--points", ",".join(f"{t:g}" for t in args.point_list), "--threads", str(args.trl_threads)]
+    with open(os.path.join(out, "trl.log"), "w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=bench_env(args.trl_threads)).returncode
+    if rc:
+        raise SystemExit(f"{arm} seed {seed} failed (exit {rc}); the end of {out}/trl.log:\n{tail(out, 'trl.log')}")
+    steps = {float(t): s for t, s in json.load(open(os.path.join(out, "steps.json"))).items()}
+    return {"adapters": {t: os.path.join(out, f"t{t:g}") for t in args.point_list}, "steps": steps}
+
+
+def run_minigrpo(seed, args, out) -> dict:
+    """generate.py + train.py on a fresh run directory; adapters copied at each point; both killed at the budget."""
+    run_dir = os.path.join(out, "run")
+    common = ["--run_dir", run_dir, "--seed", str(seed), "--device", "cpu"]
+    train = [sys.executable, "train.py", *common, "--max_steps", "10000000",  # the wall clock stops it
+             "--eval_every", "1000000000", "--eval_size", "1"]  # the bench evaluates, outside the budget
+    gen = [sys.executable, "generate.py", *common, "--generator_id", "g"]
+    logs = [open(os.path.join(out, name), "w") for name in ("train.log", "generate.log")]
+    env = bench_env(1)
+    procs = [subprocess.Popen(c, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+             for c, log in zip((train, gen), logs)]
+    latest = os.path.join(run_dir, "adapters", "LATEST")
+    try:
+        while not os.path.exists(latest):  # version 0 is out: the generator may start, the trainer is ready
+            if any(p.poll() is not None for p in procs):
+                raise SystemExit(f"minigrpo seed {seed} stopped before it published version 0:\n{tail(out, 'train.log')}")
+            time.sleep(0.005)
+        t0, adapters, steps = time.time(), {}, {}
+        for t in args.point_list:
+            time.sleep(max(0.0, t0 + t - time.time()))
+            if any(p.poll() is not None for p in procs):
+                raise SystemExit(f"minigrpo seed {seed} died before {t:g} s:\n{tail(out, 'train.log')}\n"
+                                 f"{tail(out, 'generate.log')}")
+            adapters[t], steps[t] = copy_latest(run_dir, os.path.join(out, f"t{t:g}"))
+    finally:
+        for p in procs:  # each in a session of its own: end exactly these two
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for log in logs:
+            log.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"adapters": adapters, "steps": steps}
+
+
+def copy_latest(run_dir, dest):
+    """Copy the version LATEST names now. Returns (path, version = steps trained, as train.py publishes every step)."""
+    for _ in range(100):  # a version can leave the window between reading LATEST and copying it: read again
+        name = open(os.path.join(run_dir, "adapters", "LATEST")).read().strip()
+        try:
+            shutil.copytree(os.path.join(run_dir, "adapters", name), dest)
+            return dest, int(name.rsplit("-v", 1)[1])
+        except (FileNotFoundError, shutil.Error):
+            shutil.rmtree(dest, ignore_errors=True)
+    raise SystemExit(f"could not copy the adapter LATEST names in {run_dir}")
+
+
+def bench_env(threads: int) -> dict:
+    return os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                         "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def tail(out, name, n=30):
+    with open(os.path.join(out, name)) as f:
+        return "".join(f.readlines()[-n:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+class Evaluator:
+    """train.py's evaluate on minigrpo's engine: the same held-out problems, T=1, seed * 1_000_003 + i per problem."""
+
+    def __init__(self, eval_size: int, threads: int):
+        import torch
+
+        from minigrpo.engine import TorchEngine
+        from minigrpo.lora import inject_lora
+        from minigrpo.model import load_model, stop_token_ids
+        from minigrpo.tasks import ReverseAddition
+        torch.set_num_threads(threads)
+        self.run = matched().run
+        self.model, self.tokenizer = load_model(self.run.model, torch.device("cpu"))
+        inject_lora(self.model, self.run.lora_r, self.run.lora_alpha, self.run.lora_targets)  # B = 0: the base model
+        self.engine = TorchEngine(self.model, stop_token_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id)
+        self.task = ReverseAddition()
+        self.problems = self.task.eval_problems(eval_size)
+
+    def __call__(self, adapter: str | None, seed: int) -> float:
+        from minigrpo.lora import load_adapter, lora_layers
+        from train import evaluate
+        if adapter is None:  # the base
+            for layer in lora_layers(self.model).values():
+                layer.lora_B.data.zero_()
+        else:
+            load_adapter(self.model, adapter)
+        return evaluate(self.engine, self.tokenizer, self.task, self.problems, self.run, seed)
+
+
+def mean_sd(xs) -> str:
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--budget_s", type=float, default=150.0, help="training wall-clock per arm and seed")
+    p.add_argument("--points", default="", help="seconds at which to evaluate (default: 5 even points up to the budget)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every arm")
+    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, from {','.join(ARMS)}")
+    p.add_argument("--eval_size", type=int, default=400, help="held-out problems per evaluation (train.py's default)")
+    p.add_argument("--trl_threads", type=int, default=1, help="torch threads of TRL's one process (minigrpo runs two "
+                   "processes of one thread each); see the docstring")
+    p.add_argument("--work_dir", default="", help="keep each arm's logs and adapters here (default: a temp folder)")
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    p.add_argument("--arm", default="", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker == "trl":
+        return trl_worker(args)
+    arms = args.arms.split(",")
+    if unknown := [a for a in arms if a not in ARMS]:
+        raise SystemExit(f"unknown arms {unknown}; choose from {list(ARMS)}")
+    args.point_list = sorted({float(x) for x in args.points.split(",")} if args.points else
+                             {round(args.budget_s * k / 5, 3) for k in range(1, 6)})
+    if args.point_list[-1] != args.budget_s:
+        raise SystemExit(f"--points must end at the budget ({args.budget_s:g} s)")
+    work = args.work_dir or tempfile.mkdtemp(prefix="compare-trl-")
+    os.environ.update(bench_env(1))
+    evaluator = Evaluator(args.eval_size, threads=1)
+
+    runs = []  # one per arm and seed
+    for seed in range(args.seeds):  # arms take turns within a seed, so that slow spells of the machine hit all alike
+        base = evaluator(None, seed)
+        for arm in arms:
+            out = os.path.join(work, f"{arm}-s{seed}")
+            shutil.rmtree(out, ignore_errors=True)
+            os.makedirs(out)
+            t = time.time()
+            result = run_minigrpo(seed, args, out) if arm == "minigrpo" else run_trl(arm, seed, args, out)
+            wall = time.time() - t
+            acc = {f"{t:g}": evaluator(path, seed) for t, path in result["adapters"].items()}
+            runs.append({"arm": arm, "seed": seed, "pass@1_base": base, "pass@1": acc,
+                         "steps": {f"{t:g}": s for t, s in result["steps"].items()},
+                         "steps_per_s": result["steps"][args.budget_s] / args.budget_s, "wall_s": wall})
+            print(f"{arm} seed {seed}: steps {runs[-1]['steps']} | pass@1 {acc} (base {base:.3f}) | "
+                  f"{wall:.0f} s with start-up", flush=True)
+
+    rows = []
+    for arm in arms:
+        mine = [r for r in runs if r["arm"] == arm]
+        row = {"arm": arm, "seeds": len(mine), "base": mean_sd([r["pass@1_base"] for r in mine])}
+        row |= {f"{t:g}s": mean_sd([r["pass@1"][f"{t:g}"] for r in mine]) for t in args.point_list}
+        row |= {"steps/s": mean_sd([r["steps_per_s"] for r in mine]),
+                "steps": mean_sd([float(r["steps"][f"{args.budget_s:g}"]) for r in mine])}
+        rows.append(row)
+    notes = (f"held-out pass@1 (first {args.eval_size} held-out problems, T=1, mean ± sd over seeds "
+             f"{', '.join(map(str, range(args.seeds)))}) of the newest adapter complete at each second of training "
+             f"since the arm's start; base: the shipped model; steps/s: optimizer steps of 128 completions done in "
+             f"the {args.budget_s:g} s budget / budget." + (f" Logs and adapters: {work}" if args.work_dir else ""))
+    import peft, torch, transformers, trl
+    settings = {k: getattr(args, k) for k in ("budget_s", "point_list", "seeds", "arms", "eval_size", "trl_threads")}
+    versions = {m.__name__: m.__version__ for m in (trl, peft, transformers, torch)}
+    report("compare_trl", rows, notes, extra={"settings": settings, "versions": versions, "runs": runs})
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
