@@ -5,7 +5,7 @@
     python bench/compare_trl.py --budget_s 20 --seeds 1      # a smoke run
 
 The arms, all from the shipped base (minigrpo/demo_model), with the same tokenizer and raw-text prompts (the demo
-tokenizer has no chat template), the same reward (minigrpo.tasks.score on the training problems), LoRA r=8,
+tokenizer's chat template adds nothing to them), the same reward (minigrpo.tasks.score on the training problems), LoRA r=8,
 alpha=16 on the same seven projections, learning rate 3e-3 (constant), G=8 completions per prompt, 128
 completions per optimizer step, at most 8 new tokens, temperature 1, top_p 1, top_k off, float32, on the CPU:
   minigrpo     its real scripts, generate.py and train.py, as two processes (one thread each) on a fresh run directory,
@@ -77,13 +77,14 @@ def trl_worker(args):
 
     from minigrpo.lora import adapter_config, save_adapter
     from minigrpo.model import DEMO_MODEL
-    from minigrpo.tasks import Problem, ReverseAddition, score
+    from minigrpo.tasks import Problem, ReverseAddition, prompt_ids, score
 
     torch.set_num_threads(args.threads)
     m, task = matched(), ReverseAddition()
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
-    if tokenizer.chat_template:  # minigrpo would template its prompts (tasks.prompt_ids); TRL gets raw text here
-        raise SystemExit("the demo tokenizer has a chat template now: give TRL conversational prompts to match")
+    probe = task.problem(*task.train_pairs[0]).prompt  # minigrpo templates its prompts (tasks.prompt_ids)
+    if prompt_ids(tokenizer, probe) != tokenizer(probe)["input_ids"]:  # TRL gets the raw text here
+        raise SystemExit("the demo's chat template changes its prompts now: give TRL conversational prompts to match")
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32)
     dataset = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer}
                                  for p in (task.problem(a, b) for a, b in task.train_pairs)])
