@@ -34,7 +34,7 @@ from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpo
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.grpo import advantages, combine_metrics, grpo_loss, overlong_penalty, zero_std_groups
 from minigrpo.lora import adapter_config, inject_lora, lora_disabled, lora_state_dict
-from minigrpo.model import enable_checkpointing, load_model, pick_device, resolve_model, sequence_logprobs, stop_token_ids
+from minigrpo.model import enable_checkpointing, load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
 from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
 from minigrpo.run import Lease, Metrics, RunSettings, create_run, fault, parse_config
 from minigrpo.storage import Storage
@@ -122,49 +122,55 @@ def build_sequences(groups, run, cfg, G):
 
 
 def micro_batches(seqs, budget: int):
-    """Longest first, packed while (rows x longest row) fits the token budget and no row is padded to more than
-    twice its length: few passes, bounded padding."""
-    batches, current = [], []
+    """First-fit decreasing: longest first, each sequence into the first micro-batch it fits in, so a micro-batch
+    holds at most `budget` tokens (a longer sequence gets one of its own). Packed, so nothing is padded."""
+    batches, sizes = [], []
     for s in sorted(seqs, key=lambda s: -len(s["ids"])):
-        longest = len(current[0]["ids"]) if current else 0
-        if current and ((len(current) + 1) * longest > budget or 2 * len(s["ids"]) < longest):
-            batches.append(current)
-            current = []
-        current.append(s)
-    return batches + [current] if current else batches
+        i = next((i for i, size in enumerate(sizes) if size + len(s["ids"]) <= budget), len(batches))
+        if i == len(batches):
+            batches.append([]), sizes.append(0)
+        batches[i].append(s)
+        sizes[i] += len(s["ids"])
+    return batches
 
 
-def collate(seqs, pad_id, device):
-    """Right-padded (B, L) ids; (B, L-1) completion mask and behaviour log-probs aligned with the shifted logp."""
+def collate(seqs, device):
+    """One packed row: the sequences one after another, ids (1, N), with position ids (1, N) restarting at 0 at
+    each sequence so the model attends within each one only (sequence_logprobs). The row's N-1 shifted log-probs
+    go back to one row per sequence through `where` (B, L-1); the completion mask and behaviour log-probs are
+    (B, L-1) too, as grpo_loss takes them. Places past a sequence's end point at 0, under mask 0."""
     B, L = len(seqs), max(len(s["ids"]) for s in seqs)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn, mask, behav = torch.zeros(B, L, dtype=torch.long), torch.zeros(B, L - 1), torch.zeros(B, L - 1)
+    ids = torch.tensor([t for s in seqs for t in s["ids"]])[None]  # (1, N)
+    pos = torch.cat([torch.arange(len(s["ids"])) for s in seqs])[None]  # (1, N)
+    where = torch.zeros(B, L - 1, dtype=torch.long)
+    mask, behav, start = torch.zeros(B, L - 1), torch.zeros(B, L - 1), 0
     for i, s in enumerate(seqs):
         n, P = len(s["ids"]), s["P"]
-        ids[i, :n], attn[i, :n] = torch.tensor(s["ids"]), 1
-        mask[i, P - 1:n - 1] = 1  # logp[:, t] scores token t + 1: completion tokens P..n-1 sit at P-1..n-2
+        where[i, :n - 1] = torch.arange(start, start + n - 1)  # the row's logp[j] scores its token j + 1
+        mask[i, P - 1:n - 1] = 1  # completion tokens P..n-1 are scored at P-1..n-2
         behav[i, P - 1:n - 1] = torch.tensor(s["behav"])
+        start += n
     adv = torch.tensor([s["adv"] for s in seqs])
-    return ids.to(device), attn.to(device), mask.to(device), behav.to(device), adv.to(device)
+    return ids.to(device), pos.to(device), where.to(device), mask.to(device), behav.to(device), adv.to(device)
 
 
 def train_step(model, optimizer, seqs, run, cfg, pad_id, device, rank=0, world=1):
-    """Forward/backward over token-budget micro-batches with the whole batch's normaliser, then one AdamW step.
+    """Forward/backward over packed micro-batches with the whole batch's normaliser, then one AdamW step.
     Data-parallel: each rank takes every world-th sequence; the LoRA gradients are summed across ranks."""
     num_seqs, num_tokens = len(seqs), sum(len(s["behav"]) for s in seqs)  # of the whole batch, on every rank
-    batches = [collate(mb, pad_id, device) for mb in micro_batches(seqs[rank::world], cfg.micro_batch_tokens)]
+    batches = [collate(mb, device) for mb in micro_batches(seqs[rank::world], cfg.micro_batch_tokens)]
     old = [None] * len(batches)
     if cfg.old_logp == "recompute":  # pi_old: the current weights, before this step's update
         with torch.no_grad():
-            old = [sequence_logprobs(model, ids, attn, run.temperature)[0] for ids, attn, *_ in batches]
+            old = [packed_logprobs(model, *b[:3], run.temperature)[0] for b in batches]
     ref = [None] * len(batches)
     if cfg.beta > 0:  # pi_ref: the base model, i.e. the adapter switched off
         with torch.no_grad(), lora_disabled(model):
-            ref = [sequence_logprobs(model, ids, attn, run.temperature)[0] for ids, attn, *_ in batches]
+            ref = [packed_logprobs(model, *b[:3], run.temperature)[0] for b in batches]
     parts, entropy_sum, loss_sum = [], 0.0, 0.0
     model.train(cfg.gradient_checkpointing)  # transformers checkpoints only in train mode (no dropout in these models)
-    for (ids, attn, mask, behav, adv), old_logp, ref_logp in zip(batches, old, ref):
-        logp, entropy = sequence_logprobs(model, ids, attn, run.temperature)  # (b, L-1) each
+    for (ids, pos, where, mask, behav, adv), old_logp, ref_logp in zip(batches, old, ref):
+        logp, entropy = packed_logprobs(model, ids, pos, where, run.temperature)  # (b, L-1) each
         loss, m = grpo_loss(logp, behav if old_logp is None else old_logp, behav, adv, mask, cfg.loss_type,
                             cfg.eps_low, cfg.eps_high, cfg.tis_cap, cfg.beta, ref_logp, run.max_new_tokens,
                             cfg.is_mode, num_seqs=num_seqs, num_tokens=num_tokens)

@@ -56,15 +56,66 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def sequence_logprobs(model, input_ids, attention_mask, temperature: float):
+CHUNK_LOGITS = 2**23  # logits computed at once by the output head: 32 MiB in float32
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """Token log-probs and entropies through a frozen output head W (V, H), a chunk of tokens at a time:
+
+        z_t = (h_t W^T) / T,   logp_t = z_t[y_t] - logsumexp(z_t),   entropy_t = logsumexp(z_t) - sum_v p_tv z_tv
+
+    W is frozen, so d logp_t / d h_t = (W[y_t] - p_t W) / T depends on nothing downstream: it is computed here, in
+    the forward pass, and the backward pass only scales it by d loss / d logp_t. No (tokens x vocab) tensor
+    outlives its chunk, in the forward or the backward pass, and nothing is recomputed.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float):  # hidden (N, H), weight (V, H), targets (N,)
+        N, chunk = len(hidden), max(1, CHUNK_LOGITS // len(weight))
+        logp, entropy = hidden.new_empty(N, dtype=torch.float32), hidden.new_empty(N, dtype=torch.float32)
+        grad = hidden.new_empty(N, hidden.shape[1], dtype=torch.float32) if ctx.needs_input_grad[0] else None
+        for s in range(0, N, chunk):
+            y = targets[s:s + chunk]  # (c,)
+            z = (hidden[s:s + chunk] @ weight.T).float() / temperature  # (c, V), as model(...).logits / T
+            lse = z.logsumexp(-1)  # (c,)
+            p = (z - lse[:, None]).exp_()  # (c, V) the softmax
+            logp[s:s + chunk] = z.gather(1, y[:, None]).squeeze(1) - lse
+            entropy[s:s + chunk] = lse - torch.einsum("cv,cv->c", p, z)
+            if grad is not None:
+                p[torch.arange(len(y)), y] -= 1  # p - onehot(y) = -d logp / d z
+                grad[s:s + chunk] = -(p.to(weight.dtype) @ weight).float() / temperature  # (c, H)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(entropy)
+        ctx.dtype = hidden.dtype
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        (grad,) = ctx.saved_tensors
+        return (grad_logp[:, None] * grad).to(ctx.dtype), None, None, None
+
+
+def sequence_logprobs(model, input_ids, attention_mask, temperature: float, position_ids=None):
     """log pi(x_t | x_<t) for t >= 1 in float32 from logits / temperature, and the per-token entropy.
 
-    input_ids, attention_mask: (B, L) right-padded. Returns logp (B, L-1) with gradient, entropy (B, L-1) without.
-    Position t-1 predicts token t, hence the shift by one.
+    input_ids: (B, L), right-padded with attention_mask (B, L); or packed sequences, one after another in a row,
+    with attention_mask None and position_ids (B, L) restarting at 0 where each sequence starts (transformers
+    then masks attention between them). Returns logp (B, L-1) with gradient, entropy (B, L-1) without. Position
+    t-1 predicts token t, hence the shift by one. The output head must be a frozen bias-free nn.Linear (Qwen,
+    Llama, Mistral and most causal LMs; LoRA trains only the adapter).
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (B, L-1, V)
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, L-1, V)
-    logp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, L-1)
-    return logp, entropy
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or head.weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"sequence_logprobs needs a frozen bias-free linear output head, got {head}")
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state[:, :-1]  # (B, L-1, H)
+    B, L1, H = hidden.shape
+    logp, entropy = HeadLogprobs.apply(hidden.reshape(B * L1, H), head.weight, input_ids[:, 1:].reshape(-1), temperature)
+    return logp.view(B, L1), entropy.view(B, L1)
+
+
+def packed_logprobs(model, ids, pos, where, temperature: float):
+    """sequence_logprobs of sequences packed in one row, ids and position ids (1, N), returned as one row per
+    sequence through where (B, L-1): index j of the row's N-1 shifted log-probs scores the row's token j + 1."""
+    logp, entropy = sequence_logprobs(model, ids, None, temperature, position_ids=pos)  # (1, N-1) each
+    return logp[0, where], entropy[0, where]  # (B, L-1) each

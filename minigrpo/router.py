@@ -3,8 +3,10 @@
 GRPO sends each prompt G times. The first request of a prompt goes wherever there is room; the other G - 1 should
 follow it, because that replica has the prompt's KV blocks cached. The router mirrors the structure of vLLM's
 prefix cache without its exact hashes:
-  - the prompt is cut into full 16-token blocks, hashed as a chain seeded with the requested model (adapter)
-    name, so one prefix under two adapters is two prefixes, as it is in vLLM;
+  - the prompt is cut into 16-token blocks, hashed as a chain seeded with the requested model (adapter)
+    name, so one prefix under two adapters is two prefixes, as it is in vLLM. The last block may be partial
+    (vLLM caches only full ones): it keeps a prompt's G requests together, so a prompt shorter than one block
+    is prefilled on one replica, not spread over all of them;
   - a replica owns a block once a request with it was sent there (bounded LRU table);
   - the shared prefix every prompt starts with (the chat template) says nothing about where a prompt lives. It is
     found from the data: a block every replica owns, or a block followed by two or more different blocks;
@@ -25,7 +27,7 @@ class PrefixRouter:
         self.next_rr = 0
 
     def blocks(self, model: str, prompt) -> list[bytes]:
-        """Chained hashes of the full blocks of a prompt: token ids, or text (4 bytes a token, roughly)."""
+        """Chained hashes of the blocks of a prompt: token ids, or text (4 bytes a token, roughly)."""
         data, size = None, 4 * self.block_size  # text: about 4 bytes a token
         if not isinstance(prompt, str):
             try:
@@ -33,7 +35,7 @@ class PrefixRouter:
             except OverflowError:  # ids beyond int64: no tokenizer has those, hash the text of the list instead
                 prompt = json.dumps(prompt)
         data = prompt.encode() if data is None else data
-        pieces = [data[i:i + size] for i in range(0, len(data) - size + 1, size)]
+        pieces = [data[i:i + size] for i in range(0, len(data), size)]  # the last one may be partial
         h, out = hashlib.blake2b(model.encode(), digest_size=16).digest(), []
         for piece in pieces:
             h = hashlib.blake2b(h + piece, digest_size=16).digest()

@@ -3,7 +3,6 @@
     python -m pytest -q tests/test_engine.py
 """
 import math
-from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -89,7 +88,8 @@ def test_engine_works_with_either_cache_keyword():
 
 
 def test_entropy_of_a_uniform_distribution_is_log_vocab():
-    uniform = lambda input_ids, attention_mask: SimpleNamespace(logits=torch.zeros(*input_ids.shape, 4))
+    uniform = tiny_model(vocab=4).requires_grad_(False)
+    nn.init.zeros_(uniform.lm_head.weight)  # every logit 0
     ids = torch.tensor([[0, 1, 2, 3]])
     logp, entropy = sequence_logprobs(uniform, ids, torch.ones_like(ids), temperature=1.0)
     torch.testing.assert_close(entropy, torch.full((1, 3), math.log(4)))

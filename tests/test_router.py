@@ -76,9 +76,16 @@ def test_the_same_prompt_under_another_adapter_is_another_prefix():
     assert router.choose("policy-v000001", p, [0, 0])[1] == "affinity"
 
 
-def test_block_table_is_bounded_and_short_prompts_are_unmatched():
+def test_block_table_is_bounded():
     router, rng = PrefixRouter(2, max_blocks=100), random.Random(4)
     for k in range(100):
         router.choose("m", prompt(k, rng), [0, 0])
     assert router.stats()["tracked_blocks"] == 100
-    assert router.choose("m", [1, 2, 3], [0, 0])[1] == "unmatched"  # shorter than one block
+
+
+def test_a_prompt_shorter_than_one_block_follows_its_first_request():
+    router = PrefixRouter(4)
+    home, kind = router.choose("m", [1, 2, 3], [0, 0, 0, 0])
+    assert kind == "unmatched"
+    assert all(router.choose("m", [1, 2, 3], [0, 0, 0, 0]) == (home, "affinity") for _ in range(15))
+    assert router.choose("m", [1, 2, 4], [0, 0, 0, 0])[1] == "unmatched"

@@ -1,4 +1,4 @@
-"""The trainer's step on a tiny model: every loss type and option runs, micro-batches cover each sequence once.
+"""The trainer's step on a tiny model: every loss type and option runs, packed micro-batches equal unpacked ones.
 
     python -m pytest -q tests/test_train_step.py
 """
@@ -9,14 +9,13 @@ import torch
 from conftest import tiny_model
 
 from minigrpo.lora import inject_lora, lora_layers
-from minigrpo.model import enable_checkpointing
+from minigrpo.model import enable_checkpointing, packed_logprobs, sequence_logprobs
 from minigrpo.run import RunSettings
-from train import TrainConfig, micro_batches, train_step
+from train import TrainConfig, collate, micro_batches, train_step
 
 
 def sequences(model, n=12, seed=0):
     """Sequences whose behaviour log-probs are the model's own, as a generator at the same weights records them."""
-    from minigrpo.model import sequence_logprobs
     rng = random.Random(seed)
     seqs = []
     for i in range(n):
@@ -44,15 +43,53 @@ def test_every_option_trains_and_starts_on_policy(options):
     assert any(not torch.equal(b, l.lora_B) for b, l in zip(before, lora_layers(model).values()))
 
 
-def test_micro_batches_cover_each_sequence_once_within_budget_and_bounded_padding():
+def test_micro_batches_cover_each_sequence_once_within_the_token_budget():
     rng = random.Random(0)
     seqs = [{"ids": [0] * rng.randrange(5, 300)} for _ in range(200)]
     batches = micro_batches(seqs, budget=1024)
     assert sorted(id(s) for mb in batches for s in mb) == sorted(id(s) for s in seqs)
-    for mb in batches:
-        longest = len(mb[0]["ids"])
-        assert len(mb) == 1 or len(mb) * longest <= 1024
-        assert all(2 * len(s["ids"]) >= longest for s in mb)
+    assert all(sum(len(s["ids"]) for s in mb) <= 1024 for mb in batches)
+    assert len(batches) <= sum(len(s["ids"]) for s in seqs) // 1024 + 2, "first-fit decreasing leaves little room"
+    assert micro_batches([{"ids": [0] * 50}], budget=16) == [[{"ids": [0] * 50}]], "too long: a micro-batch of its own"
+
+
+def lora_model(arch="qwen2"):
+    model = tiny_model(arch)
+    inject_lora(model, 4, 8)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B.normal_(std=0.1)
+    return model
+
+
+def test_packed_sequences_see_only_themselves(arch):
+    model, seqs = lora_model(arch), sequences(tiny_model(), n=5)
+    ids, pos, where, mask, *_ = collate(seqs, torch.device("cpu"))
+    logp, entropy = packed_logprobs(model, ids, pos, where, 0.7)  # (5, L-1)
+    for i, s in enumerate(seqs):
+        alone = torch.tensor([s["ids"]])
+        a_logp, a_entropy = sequence_logprobs(model, alone, torch.ones_like(alone), 0.7)
+        n = len(s["ids"]) - 1
+        torch.testing.assert_close(logp[i, :n], a_logp[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy[i, :n], a_entropy[0], atol=1e-5, rtol=0)
+    leaky, _ = sequence_logprobs(model, ids, None, 0.7, position_ids=torch.arange(ids.shape[1])[None])
+    assert (leaky[0, where] - logp).mul(mask).abs().max() > 1e-3, "attending across sequences would show"
+
+
+def test_packed_step_equals_one_sequence_per_micro_batch():
+    results = []
+    for budget in (10_000, 1):  # all 12 sequences in one packed row; each sequence alone
+        model = lora_model()
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        m = train_step(model, opt, sequences(tiny_model()), RunSettings(max_new_tokens=8),
+                       TrainConfig(micro_batch_tokens=budget, max_grad_norm=1e9), 0, torch.device("cpu"))
+        results.append((m, [p.detach().clone() for p in model.parameters() if p.requires_grad]))
+    (packed, w_packed), (alone, w_alone) = results
+    assert (packed["perf/micro_batches"], alone["perf/micro_batches"]) == (1, 12)
+    assert abs(packed["loss"] - alone["loss"]) < 1e-6 and abs(packed["entropy"] - alone["entropy"]) < 1e-5
+    for a, b in zip(w_packed, w_alone):  # w - lr * grad: equal weights, equal gradients
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
 def test_gradient_checkpointing_gives_the_same_step():
