@@ -21,6 +21,7 @@ retries) is an OSError whose message names the object; the scripts turn it into 
 """
 import contextlib
 import os
+import shutil
 import stat
 import time
 import uuid
@@ -90,15 +91,16 @@ class Storage:
 
     def exists(self, key: str) -> bool:
         try:
-            return self.fs.exists(f"{self.root}/{key}")
+            return os.path.exists(f"{self.root}/{key}") if self.local else self.fs.exists(f"{self.root}/{key}")
         except Exception as e:  # noqa: BLE001
             self._fail("look up", key, e)
 
     def list(self, prefix: str) -> list[str]:
         """Sorted names directly under a prefix (objects and sub-prefixes; local temp files left out)."""
-        try:
-            entries = self.fs.ls(f"{self.root}/{prefix}".rstrip("/"), detail=False)
-        except FileNotFoundError:
+        try:  # a local listing through os is ten times cheaper than through fsspec
+            path = f"{self.root}/{prefix}".rstrip("/")
+            entries = os.listdir(path) if self.local else self.fs.ls(path, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
             return []
         except Exception as e:  # noqa: BLE001
             self._fail("list", prefix, e)
@@ -111,9 +113,9 @@ class Storage:
         keys = [key] if isinstance(key, str) else key
         try:
             if self.local:  # one by one: a missing file must not stop the rest
-                for k in keys:
+                for path in (f"{self.root}/{k}" for k in keys):
                     with contextlib.suppress(FileNotFoundError):
-                        self.fs.rm(f"{self.root}/{k}", recursive=recursive)
+                        shutil.rmtree(path) if recursive and os.path.isdir(path) else os.remove(path)
             elif keys:
                 self.fs.rm([f"{self.root}/{k}" for k in keys], recursive=recursive)
         except FileNotFoundError:
