@@ -178,10 +178,13 @@ def test_pause_modes_and_server_info(server):
     assert post(server, "/reset_prefix_cache", None)[2] == {"success": True}
 
 
-def test_nul_in_lora_path_is_a_400_naming_it(server):
-    status, _, out = post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp/a\u0000b"})
-    assert status == 400 and out["error"] == {"message": "lora_path must not contain a NUL byte",
-                                              "type": "InvalidUserInput", "param": "lora_path", "code": 400}
+@pytest.mark.parametrize("key, raw", [("lora_path", b'"/tmp/a\\u0000b"'), ("lora_name", b'"a\\udcff"')])
+def test_nul_or_a_lone_surrogate_in_a_lora_field_is_a_400_naming_it(server, key, raw):
+    body = {"lora_name": b'"x"', "lora_path": f'"{server[1]}"'.encode()} | {key: raw}
+    status, _, out = post(server, "/v1/load_lora_adapter", None,
+                          raw=b'{"lora_name": %s, "lora_path": %s}' % (body["lora_name"], body["lora_path"]))
+    assert status == 400 and out["error"] == {"message": f"{key} must be text without NUL bytes or lone surrogates",
+                                              "type": "InvalidUserInput", "param": key, "code": 400}
 
 
 def test_authorization_bytes_that_are_not_utf8_get_a_json_401(server):
