@@ -299,8 +299,8 @@ class Server:
         if not name or not path or not isinstance(name, str) or not isinstance(path, str):
             return P.error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
         for key, value in (("lora_name", name), ("lora_path", path)):
-            if "\0" in value or value != P.utf8(value):
-                return P.error(400, f"{key} must be text without NUL bytes or lone surrogates", "InvalidUserInput", key)
+            if not value.isprintable():  # it goes into headers and texts: no NUL, newline or lone surrogate
+                return P.error(400, f"{key} must be printable text", "InvalidUserInput", key)
         if name == self.name:
             return P.error(400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput")
         if name in self.scheduler.adapters and not body.get("load_inplace"):
