@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import call, file_digest, free_port, raw_authorization, save_random_adapter, start
 
+from minigrpo import protocol as P
 from minigrpo.engine import SamplingParams, TorchEngine
 
 KEY = "test-key"
@@ -120,6 +121,8 @@ def test_lora_load_errors_follow_vllm(server, tmp_path):
     assert post(server, url, {"lora_name": "demo", "lora_path": str(tmp_path)})[2]["error"]["message"] == \
         "The lora adapter 'demo' conflicts with a served base model."
     assert post(server, url, {"lora_name": "rel", "lora_path": "relative/dir"})[0] == 400
+    status, _, out = post(server, url, {"lora_name": "u", "lora_path": "memory://bucket/policy-v000001"})
+    assert status == 404 and P.NO_ADAPTER in out["error"]["message"]  # a URL is read by lora.read_adapter
     assert post(server, url, None, raw=b"lora_name=x", content_type="text/plain")[0] == 400
 
 
