@@ -23,7 +23,7 @@ def server(tmp_path_factory):
     port = free_port()
     proc = start(["-m", "minigrpo.serve", "--port", str(port), "--api_key", KEY, "--max_lora_rank", "16", "--seed", "0",
                   "--max_cpu_loras", "2"], port)
-    yield f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("adapters")
+    yield f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("adapters"), proc.pid
     proc.kill()
 
 
@@ -275,3 +275,18 @@ def test_an_rslora_adapter_is_served_scaled_by_alpha_over_sqrt_r(server):
     assert [ids for ids, _ in served] == [c.token_ids for c in mine]
     for (_, lps), m in zip(served, mine):
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(m.logprobs), atol=1e-4, rtol=0)
+
+
+def test_max_cpu_loras_bounds_the_memory_adapters_hold(server, tmp_path):
+    """150 loads of rank-16 adapters (267 KiB each, 39 MiB in all) under --max_cpu_loras 2 keep at most 2 in memory."""
+    status = lambda: open(f"/proc/{server[2]}/status").read()
+    rss_mb = lambda: int(status().split("VmRSS:")[1].split()[0]) / 1024
+    for i in range(2):
+        save_random_adapter(tmp_path / f"m{i}", r=16, alpha=16, seed=i)
+    before = rss_mb()
+    for i in range(150):
+        body = {"lora_name": f"m{i}", "lora_path": str(tmp_path / f"m{i % 2}")}
+        assert post(server, "/v1/load_lora_adapter", body)[0] == 200
+    assert rss_mb() - before < 15
+    for i in range(150):
+        post(server, "/v1/unload_lora_adapter", {"lora_name": f"m{i}"})
