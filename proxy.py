@@ -71,11 +71,6 @@ class Answer:
         return self.body.decode(errors="replace")
 
 
-def utf8(s) -> str:
-    """s as text the router can hash: JSON may carry lone surrogates ("\\udcff"), which UTF-8 cannot encode."""
-    return str(s).encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-
-
 class Proxy:
     def __init__(self, cfg: ProxyConfig):
         self.cfg, self.upstreams = cfg, [u.rstrip("/") for u in cfg.upstream]
@@ -122,12 +117,12 @@ class Proxy:
     async def completions(self, request: web.Request):
         raw = await self.body(request)
         body = P.parse_json(raw)
-        prompt, model = body.get("prompt", body.get("messages")), utf8(body.get("model") or "")
+        prompt, model = body.get("prompt", body.get("messages")), P.utf8(body.get("model") or "")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
             prompt = prompt[0]  # a batch of prompts is routed by its first one
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt))):
             prompt = json.dumps(prompt)
-        prompt = utf8(prompt) if isinstance(prompt, str) else prompt
+        prompt = P.utf8(prompt) if isinstance(prompt, str) else prompt  # the router hashes it as UTF-8
         pick, _ = self.router.choose(model, prompt, self.inflight)
         others = sorted((i for i in range(len(self.upstreams)) if i != pick), key=lambda i: self.inflight[i])
         for i in [pick] + others:  # go on to the next replica only when this one cannot be reached at all
@@ -140,7 +135,7 @@ class Proxy:
     async def load_lora(self, request: web.Request):
         raw = await self.body(request)
         body = P.parse_json(raw)
-        name, path = str(body.get("lora_name")), body.get("lora_path")
+        name, path = P.utf8(body.get("lora_name")), body.get("lora_path")
 
         async def load(i):  # retry while the replica cannot see the directory yet
             deadline = time.time() + self.cfg.load_timeout_s

@@ -56,6 +56,11 @@ def already_loaded(name: str) -> str:
             "set 'load_inplace' to True.")
 
 
+def utf8(s) -> str:
+    """str(s) with any lone surrogate replaced: JSON can escape them ("\\udcff"), but UTF-8 cannot encode them."""
+    return str(s).encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
 def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
     """Strict JSON: a NaN or infinity anywhere is a bug, answered as a 500 that says so rather than sent bare."""
     try:

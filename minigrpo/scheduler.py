@@ -1,12 +1,12 @@
 """The server's batching scheduler: requests that arrive together share a batch, fairly, one adapter at a time.
 
-    scheduler.add(name, path, weights)        register a checked adapter (see read())
+    scheduler.add(name, Adapter(path, created), scheduler.read(path))   register a checked adapter
     await scheduler.submit(model, prompts, params)   -> per prompt, a list of n Completions, or the exception
-    scheduler.run()                           the worker task; pause(mode) / resume() as vLLM's /pause and /resume
+    scheduler.run()                  the worker task; pause(mode) and resume() as vLLM's /pause and /resume
 
-  - A request is cut into one unit per prompt. Each round takes one unit from each waiting request in turn until
-    the round holds --max_batch_rows rows or --max_loras distinct adapters, so a large request cannot starve a
-    small one: a one-token request waits for at most the round in progress.
+  - A request is cut into one unit per prompt (its n rows). Each round takes one unit from each waiting request
+    in turn, and again, until the round holds --max_batch_rows rows or --max_loras distinct adapters. So a large
+    request cannot hold back a small one that arrives after it: the small one joins the next round.
   - A round runs one engine call per adapter. Switching the LoRA layers is all or nothing: the weights are
     checked whole before the first layer is written, and the layers count as switched only once all are.
   - If an engine call fails, each request in it is run again alone, so an error reaches only its own request.

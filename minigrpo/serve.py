@@ -299,8 +299,8 @@ class Server:
         if not name or not path or not isinstance(name, str) or not isinstance(path, str):
             return P.error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
         for key, value in (("lora_name", name), ("lora_path", path)):
-            if "\0" in value:
-                return P.error(400, f"{key} must not contain a NUL byte", "InvalidUserInput", key)
+            if not value.isprintable():  # it goes into headers and texts: no NUL, newline or lone surrogate
+                return P.error(400, f"{key} must be printable text", "InvalidUserInput", key)
         if name == self.name:
             return P.error(400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput")
         if name in self.scheduler.adapters and not body.get("load_inplace"):
@@ -379,7 +379,7 @@ def make_app(server: Server, api_key: str = "") -> web.Application:
     app.add_routes([
         web.post(P.COMPLETIONS, server.completions), web.post(P.CHAT, server.chat),
         web.post(P.LOAD, server.load_lora), web.post(P.UNLOAD, server.unload_lora), web.get(P.MODELS, server.models),
-        web.get(P.HEALTH, fixed(web.Response)), web.get(P.PING, fixed(web.Response)), web.post(P.PING, fixed(web.Response)),
+        web.get(P.HEALTH, fixed(web.Response)), web.route("*", P.PING, fixed(web.Response)),
         web.get(P.VERSION, fixed(lambda: web.json_response({"version": VERSION}))),
         web.post(P.PAUSE, server.pause), web.post(P.RESUME, server.resume),
         web.get(P.IS_PAUSED, fixed(lambda: web.json_response({"is_paused": server.scheduler.paused is not None}))),

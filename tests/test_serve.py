@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import call, file_digest, free_port, raw_authorization, save_random_adapter, start
 
+from minigrpo import protocol as P
 from minigrpo.engine import SamplingParams, TorchEngine
 
 KEY = "test-key"
@@ -22,7 +23,7 @@ def server(tmp_path_factory):
     port = free_port()
     proc = start(["-m", "minigrpo.serve", "--port", str(port), "--api_key", KEY, "--max_lora_rank", "16", "--seed", "0",
                   "--max_cpu_loras", "2"], port)
-    yield f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("adapters")
+    yield f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("adapters"), proc.pid
     proc.kill()
 
 
@@ -120,6 +121,8 @@ def test_lora_load_errors_follow_vllm(server, tmp_path):
     assert post(server, url, {"lora_name": "demo", "lora_path": str(tmp_path)})[2]["error"]["message"] == \
         "The lora adapter 'demo' conflicts with a served base model."
     assert post(server, url, {"lora_name": "rel", "lora_path": "relative/dir"})[0] == 400
+    status, _, out = post(server, url, {"lora_name": "u", "lora_path": "memory://bucket/policy-v000001"})
+    assert status == 404 and P.NO_ADAPTER in out["error"]["message"]  # a URL is read by lora.read_adapter
     assert post(server, url, None, raw=b"lora_name=x", content_type="text/plain")[0] == 400
 
 
@@ -178,10 +181,14 @@ def test_pause_modes_and_server_info(server):
     assert post(server, "/reset_prefix_cache", None)[2] == {"success": True}
 
 
-def test_nul_in_lora_path_is_a_400_naming_it(server):
-    status, _, out = post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp/a\u0000b"})
-    assert status == 400 and out["error"] == {"message": "lora_path must not contain a NUL byte",
-                                              "type": "InvalidUserInput", "param": "lora_path", "code": 400}
+@pytest.mark.parametrize("key, raw", [("lora_path", b'"/tmp/a\\u0000b"'), ("lora_name", b'"a\\udcff"'),
+                                      ("lora_name", b'"a\\r\\nX-Injected: 1"')])
+def test_nul_newline_or_a_lone_surrogate_in_a_lora_field_is_a_400_naming_it(server, key, raw):
+    body = {"lora_name": b'"x"', "lora_path": f'"{server[1]}"'.encode()} | {key: raw}
+    status, _, out = post(server, "/v1/load_lora_adapter", None,
+                          raw=b'{"lora_name": %s, "lora_path": %s}' % (body["lora_name"], body["lora_path"]))
+    assert status == 400 and out["error"] == {"message": f"{key} must be printable text",
+                                              "type": "InvalidUserInput", "param": key, "code": 400}
 
 
 def test_authorization_bytes_that_are_not_utf8_get_a_json_401(server):
@@ -268,3 +275,18 @@ def test_an_rslora_adapter_is_served_scaled_by_alpha_over_sqrt_r(server):
     assert [ids for ids, _ in served] == [c.token_ids for c in mine]
     for (_, lps), m in zip(served, mine):
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(m.logprobs), atol=1e-4, rtol=0)
+
+
+def test_max_cpu_loras_bounds_the_memory_adapters_hold(server, tmp_path):
+    """150 loads of rank-16 adapters (267 KiB each, 39 MiB in all) under --max_cpu_loras 2 keep at most 2 in memory."""
+    status = lambda: open(f"/proc/{server[2]}/status").read()
+    rss_mb = lambda: int(status().split("VmRSS:")[1].split()[0]) / 1024
+    for i in range(2):
+        save_random_adapter(tmp_path / f"m{i}", r=16, alpha=16, seed=i)
+    before = rss_mb()
+    for i in range(150):
+        body = {"lora_name": f"m{i}", "lora_path": str(tmp_path / f"m{i % 2}")}
+        assert post(server, "/v1/load_lora_adapter", body)[0] == 200
+    assert rss_mb() - before < 15
+    for i in range(150):
+        post(server, "/v1/unload_lora_adapter", {"lora_name": f"m{i}"})
