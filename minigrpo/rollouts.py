@@ -10,6 +10,7 @@ so no two writers ever use one name. A group is written once and never moved; it
     again (garbage collection, idempotent: a resume repeats it);
   - a group that cannot be read or validated is copied to RUN/bad/ with <id>.reason.txt and never trained.
 """
+import itertools
 import json
 import math
 import struct
@@ -170,29 +171,27 @@ class RolloutBuffer:
             if gid not in ledger.skip:
                 self.order.setdefault(gid, None)
         groups = []
-        for gid in list(self.order):
-            if len(groups) == n:
-                break
-            del self.order[gid]
-            if gid in ledger.skip:
-                continue
-            try:
-                data = self.storage.get(group_key(gid))
-            except FileNotFoundError:  # a listing that lags a delete
-                continue
-            except ValueError as e:  # not a regular file
-                self.quarantine(gid, None, str(e), stats)
-                continue
-            try:
-                group = read_group(data, gid)
-                if validate:
-                    validate(group)
-            except Exception as e:  # noqa: BLE001 - nothing in a group file may stop the trainer
-                self.quarantine(gid, data, f"{type(e).__name__}: {e}", stats)
-                stats["attribution_mismatch"] = stats.get("attribution_mismatch", 0) + isinstance(e, AttributionError)
-                continue
-            ledger.take(gid)
-            groups.append(group)
+        while len(groups) < n and self.order:
+            batch = list(itertools.islice(self.order, n - len(groups)))  # the oldest, read together
+            for gid, data in zip(batch, self.storage.get_many([group_key(gid) for gid in batch])):
+                del self.order[gid]
+                if isinstance(data, FileNotFoundError):  # a listing that lags a delete
+                    continue
+                if isinstance(data, ValueError):  # not a regular file
+                    self.quarantine(gid, None, str(data), stats)
+                    continue
+                if isinstance(data, Exception):  # the store itself failed: that is not the group's fault
+                    raise OSError(f"cannot read {self.storage.url(group_key(gid))}: {data}") from data
+                try:
+                    group = read_group(data, gid)
+                    if validate:
+                        validate(group)
+                except Exception as e:  # noqa: BLE001 - nothing in a group file may stop the trainer
+                    self.quarantine(gid, data, f"{type(e).__name__}: {e}", stats)
+                    stats["attribution_mismatch"] = stats.get("attribution_mismatch", 0) + isinstance(e, AttributionError)
+                    continue
+                ledger.take(gid)
+                groups.append(group)
         return groups
 
     def quarantine(self, group_id: str, data: bytes | None, reason: str, stats: dict):

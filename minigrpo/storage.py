@@ -89,6 +89,24 @@ class Storage:
         except Exception as e:  # noqa: BLE001
             self._fail("read", key, e)
 
+    def get_many(self, keys: "list[str]") -> list:
+        """get() of several objects, concurrently on a bucket (one round trip's latency, not one per object).
+        Each entry is the bytes or the exception get() would have raised."""
+        if self.local or len(keys) < 2:
+            out = []
+            for key in keys:
+                try:
+                    out.append(self.get(key))
+                except (OSError, ValueError) as e:
+                    out.append(e)
+            return out
+        paths = [f"{self.root}/{k}" for k in keys]
+        try:
+            found = self.fs.cat(paths, on_error="return")
+        except Exception as e:  # noqa: BLE001
+            self._fail("read", keys[0], e)
+        return [found.get(p, FileNotFoundError(p)) for p in paths]
+
     def exists(self, key: str) -> bool:
         try:
             return os.path.exists(f"{self.root}/{key}") if self.local else self.fs.exists(f"{self.root}/{key}")

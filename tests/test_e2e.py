@@ -154,13 +154,14 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(tmp
                                     "--eval_size", "20"], cwd=ROOT, capture_output=True, text=True, timeout=300)
             assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
             assert gen.wait(timeout=60) == 0
+            assert train_records(run_dir)[-1]["sample/attribution_mismatch"] == 0  # every digest matched its version
             storage, checked = Storage(run_dir), 0
             for name in storage.list("rollouts"):  # groups sampled after the last step: recompute their log-probs
                 group = read_group(storage.get(f"rollouts/{name}"), name.removesuffix(".safetensors"))
                 adapter = f"{run_dir}/adapters/policy-{json.loads(storage.get('run.json'))['run_id']}-v{group.policy_version:06d}"
                 if group.policy_version == 0 or not os.path.isdir(adapter):
                     continue
-                load_adapter(model, adapter)
+                assert load_adapter(model, adapter) == group.adapter_digest  # the replica said which weights it used
                 ids = torch.tensor([group.prompt_ids + group.completion_ids[0]])
                 logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), 1.0)
                 mine = logp[0, len(group.prompt_ids) - 1:].tolist()

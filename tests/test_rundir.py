@@ -50,6 +50,9 @@ def test_storage_puts_gets_lists_and_deletes_whole_objects(storage):
     assert storage.list("a") == ["x.bin"]
     with pytest.raises(FileNotFoundError):
         storage.get("a/gone.bin")
+    storage.put("a/z.bin", b"z")
+    got = storage.get_many(["a/x.bin", "a/gone.bin", "a/z.bin"])  # concurrently on a bucket
+    assert got[0] == b"\x00\x01" and isinstance(got[1], FileNotFoundError) and got[2] == b"z"
 
 
 def test_local_temp_files_are_invisible_and_swept_when_old(tmp_path):
