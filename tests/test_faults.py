@@ -136,13 +136,13 @@ def test_resuming_with_other_training_settings_names_each_field():
 def test_generators_killed_mid_write_never_leave_a_partial_group(tmp_path):
     run_dir, rng = str(tmp_path / "run"), random.Random(1)
     store = publish_v0(run_dir)
-    buffer = RolloutBuffer(store.storage)
+    writers = lambda: {n.rsplit("-", 1)[0] for n in store.storage.list("rollouts")}  # noqa: E731
     for life in range(2):
-        before = buffer.count()
+        before = writers()
         gens = [py("generate.py", "--run_dir", run_dir, "--generator_id", f"g{k}", "--max_ready", "100000") for k in (0, 1)]
         deadline = time.time() + 180
-        while not all(len(gen_records(run_dir, f"g{k}")) > 2 * life for k in (0, 1)) or buffer.count() == before:
-            assert time.time() < deadline, buffer.count()
+        while len(writers() - before) < 2:  # both are writing now, each under a name of this life
+            assert time.time() < deadline, writers()
             time.sleep(0.02)
         time.sleep(rng.uniform(0, 0.5))  # then die at a random point, very likely inside a write
         for g in gens:
@@ -151,8 +151,7 @@ def test_generators_killed_mid_write_never_leave_a_partial_group(tmp_path):
         for name in store.storage.list("rollouts"):  # every visible group is whole and valid
             gid = name.removesuffix(".safetensors")
             assert len(read_group(store.storage.get(f"rollouts/{name}"), gid)) == 8
-    writers = {n.rsplit("-", 1)[0] for n in store.storage.list("rollouts")}
-    assert len(writers) == 4 and {w.split("-")[0] for w in writers} == {"g0", "g1"}  # a new name every life
+    assert len(writers()) == 4 and {w.split("-")[0] for w in writers()} == {"g0", "g1"}  # a new name every life
 
 
 def test_generator_skips_an_adapter_without_weights_and_keeps_the_last_good_one(tmp_path):
@@ -168,7 +167,7 @@ def test_generator_skips_an_adapter_without_weights_and_keeps_the_last_good_one(
     store.storage.put("adapters/LATEST", store.name(1))
     assert gen.wait(timeout=120) == 0
     out = open(log).read()
-    assert "cannot load" in out and "adapter_model.safetensors" in out
+    assert f"cannot load {store.url(1)} (ValueError: {store.url(1)} doesn't contain tensors)" in out
     versions = {read_group(store.storage.get(f"rollouts/{n}"), n).policy_version for n in store.storage.list("rollouts")}
     assert versions == {0}
     last = gen_records(run_dir, "g0")[-1]
@@ -229,7 +228,7 @@ def test_an_unwritable_run_directory_is_one_clear_line(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     out = subprocess.run([sys.executable, "train.py", "--run_dir", str(tmp_path / "file" / "run")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and f"{tmp_path}/file/run/owner.json: Not a directory" in out.stderr
+    assert out.returncode == 1 and f"cannot read {tmp_path}/file/run/owner.json: NotADirectoryError" in out.stderr
     assert "Traceback" not in out.stderr
 
 

@@ -67,6 +67,7 @@ def test_math_task_reads_a_jsonl_with_its_own_field_names(tmp_path):
 
 def test_prompts_go_through_the_chat_template_when_there_is_one():
     tok = build_tokenizer()
+    tok.chat_template = None  # the demo's own template only joins the messages
     assert prompt_ids(tok, "2+3=", "1") == tok("2+3=")["input_ids"]  # no template: plain text
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}{% if add_generation_prompt %}+{% endif %}"
     assert prompt_ids(tok, "2+3", system_prompt="1") == tok("1=2+3=+")["input_ids"]
