@@ -161,13 +161,11 @@ def main():
         completions = engine.generate(prompts, sampling)
         gen_s = time.time() - started
         rewards = score(task, tokenizer, problems, completions)
-        for prompt, group, r in zip(prompts, completions, rewards):
-            buffer.write(Group(prompt_ids=prompt, completion_ids=[c.token_ids for c in group],
-                               behavior_logprobs=[c.logprobs for c in group], rewards=r,
-                               truncated=[c.finish_reason == "length" for c in group], policy_version=version,
-                               temperature=run.temperature, adapter_digest=group[0].adapter_digest,
-                               started_at=started, finished_at=time.time()), writer, seq=written)
-            written += 1
+        written += len(buffer.write([Group(
+            prompt_ids=prompt, completion_ids=[c.token_ids for c in group], behavior_logprobs=[c.logprobs for c in group],
+            rewards=r, truncated=[c.finish_reason == "length" for c in group], policy_version=version,
+            temperature=run.temperature, adapter_digest=group[0].adapter_digest, started_at=started,
+            finished_at=time.time()) for prompt, group, r in zip(prompts, completions, rewards)], writer, seq=written))
         batch += 1
 
         # ---- log ----
@@ -176,7 +174,7 @@ def main():
         record = {"batch": batch, "generator": gen_id, "policy_version": version, "reward/mean": sum(flat) / len(flat),
                   "completions/mean_length": n_tok / len(flat), "rollout/generated_tok_s": n_tok / gen_s,
                   "rollout/backpressure_s": backpressure_s, "perf/weight_sync_s": sync_s, "perf/generate_s": gen_s,
-                  "sample/rollout_queue_size": waiting_groups(buffer), "adapters_skipped": len(skipped), "time": time.time()}
+                  "adapters_skipped": len(skipped), "time": time.time()}
         metrics.log(record, f"gen {gen_id} batch {batch} | v{version} | reward {record['reward/mean']:.3f} | "
                             f"{record['rollout/generated_tok_s']:.0f} tok/s | backpressure {backpressure_s:.2f}s")
     if hasattr(engine, "close"):

@@ -150,12 +150,12 @@ class RolloutBuffer:
         self.storage, self.order = storage, {}  # order: group ids in the order first seen (FIFO)
 
     # ---- generator side ----
-    def write(self, group: Group, writer: str, seq: int) -> str:
-        """Add one finished group as one object; returns its group id."""
-        group.group_id, group.generator_id = f"{writer}-{seq:06d}", writer
-        tensors, metadata = to_tensors(group)
-        self.storage.put(group_key(group.group_id), save(tensors, metadata=metadata))
-        return group.group_id
+    def write(self, groups: list[Group], writer: str, seq: int) -> list[str]:
+        """Add finished groups, one object each, numbered from seq on (together: one round trip on a bucket)."""
+        for i, group in enumerate(groups):
+            group.group_id, group.generator_id = f"{writer}-{seq + i:06d}", writer
+        self.storage.put_many({group_key(g.group_id): save(*to_tensors(g)) for g in groups})
+        return [g.group_id for g in groups]
 
     def count(self) -> int:
         """Objects in rollouts/, consumed or not (the trainer publishes how many of them it consumed)."""

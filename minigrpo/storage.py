@@ -72,6 +72,17 @@ class Storage:
         except Exception as e:  # noqa: BLE001 - every backend error becomes one OSError naming the object
             self._fail("write", key, e)
 
+    def put_many(self, objects: "dict[str, bytes]"):
+        """put() of several objects, concurrently on a bucket."""
+        if self.local or len(objects) < 2:
+            for key, data in objects.items():
+                self.put(key, data)
+            return
+        try:
+            self.fs.pipe({f"{self.root}/{k}": v for k, v in objects.items()})
+        except Exception as e:  # noqa: BLE001
+            self._fail("write", next(iter(objects)), e)
+
     def get(self, key: str) -> bytes:
         """Read one whole object. FileNotFoundError if absent; ValueError for a local entry that is not a
         regular file (a symlink, FIFO or device: never followed, never opened for reading)."""

@@ -90,14 +90,14 @@ def test_a_storage_failure_names_the_object(tmp_path):
 def test_group_round_trips_through_storage(storage):
     buffer = RolloutBuffer(storage)
     group = make_group()
-    gid = buffer.write(group, "gen-a-1f2e", seq=0)
+    gid, = buffer.write([group], "gen-a-1f2e", seq=0)
     back = read_group(storage.get(group_key(gid)), gid)
     assert gid == "gen-a-1f2e-000000" and back == group and back.generator_id == "gen-a-1f2e"
 
 
 def test_take_is_fifo_records_each_group_in_the_ledger_and_never_moves_a_file(storage):
     buffer, ledger = RolloutBuffer(storage), Ledger()
-    ids = [buffer.write(make_group(version=v), "g", seq=v) for v in range(5)]
+    ids = buffer.write([make_group(version=v) for v in range(5)], "g", seq=0)  # together: one round trip on a bucket
     assert [g.group_id for g in buffer.take(3, ledger)] == ids[:3]
     assert [g.group_id for g in buffer.take(5, ledger)] == ids[3:]
     assert ledger.taken == set(ids) and buffer.count() == 5 and buffer.take(5, ledger) == []
@@ -170,7 +170,7 @@ def test_a_hostile_group_is_quarantined_with_a_reason_that_names_it_and_the_trai
     storage = Storage(str(tmp_path / "run"))
     buffer, ledger, stats = RolloutBuffer(storage), Ledger(), {}
     bad = hostile(storage, tmp_path, kind)
-    good = buffer.write(make_group(), "g", seq=1)
+    good, = buffer.write([make_group()], "g", seq=1)
     check = lambda g: check_group(g, RUN, vocab_size=16, version=3)  # noqa: E731
     assert [g.group_id for g in buffer.take(5, ledger, check, stats)] == [good]
     reason = storage.get(f"bad/{bad}.reason.txt").decode()
