@@ -18,6 +18,7 @@ Start as many generators as you like on one run directory, on any machines that 
 Left out on purpose: prompt deduplication across generators (each samples its own prompts from its own seed)
 and partial groups (a group is written whole or not at all).
 """
+import collections
 import os
 import random
 import socket
@@ -82,19 +83,25 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
     raise SystemExit(f"unknown --engine {cfg.engine!r}; choose torch, http or vllm")
 
 
-def waiting_groups(buffer: RolloutBuffer) -> int:
-    """Groups written but not yet consumed: objects in rollouts/ less those the trainer's lease says it took."""
-    return buffer.count() - ((read_json(buffer.storage, "owner.json") or {}).get("pending") or 0)
+def waiting_groups(buffer: RolloutBuffer, mine: list) -> int:
+    """Groups written but not consumed yet. A live trainer's lease says how many it saw waiting at its last step;
+    add what this generator wrote since (mine: (time, groups) of its writes). Without a live trainer, count the
+    objects in rollouts/ less those its lease says it consumed (a listing: slower on a bucket)."""
+    lease = read_json(buffer.storage, "owner.json") or {}
+    if "waiting" not in lease or time.time() - lease["heartbeat"] > lease["timeout_s"]:
+        return buffer.count() - lease.get("pending", 0)
+    return lease["waiting"] + sum(n for t, n in mine if t > lease["waiting_at"])
 
 
-def wait_for_room(buffer: RolloutBuffer, max_ready: int, poll_s: float, newer_than=None, store=None) -> float:
+def wait_for_room(buffer: RolloutBuffer, mine: list, max_ready: int, poll_s: float, newer_than=None,
+                  store=None) -> float:
     """Backpressure: block while max_ready groups wait (lock-step: until none waits and a newer adapter is out).
     Returns the seconds waited."""
     t0, storage = time.time(), buffer.storage
     if newer_than is not None:
-        while (waiting_groups(buffer) > 0 or (store.latest() or 0) <= newer_than) and not storage.exists("DONE"):
+        while (waiting_groups(buffer, mine) > 0 or (store.latest() or 0) <= newer_than) and not storage.exists("DONE"):
             time.sleep(poll_s)
-    while waiting_groups(buffer) >= max_ready and not storage.exists("DONE"):
+    while waiting_groups(buffer, mine) >= max_ready and not storage.exists("DONE"):
         time.sleep(poll_s)
     return time.time() - t0
 
@@ -131,10 +138,11 @@ def main():
           f"{cfg.prompts_per_batch * run.group_size} completions per batch\n  {asdict(run)}\n  {asdict(cfg)}", flush=True)
 
     batch = written = 0
+    mine = collections.deque(maxlen=1000)  # (time, groups) of this generator's writes, for backpressure
     skipped = set()  # adapter versions that could not be loaded
     while not cfg.max_batches or batch < cfg.max_batches:
         lockstep = engine.version if cfg.lockstep and batch else None
-        backpressure_s = wait_for_room(buffer, cfg.max_ready, poll_s, lockstep, store)
+        backpressure_s = wait_for_room(buffer, mine, cfg.max_ready, poll_s, lockstep, store)
         latest = wait_for_adapter(store, poll_s)
         if latest is None:
             break
@@ -166,6 +174,7 @@ def main():
             rewards=r, truncated=[c.finish_reason == "length" for c in group], policy_version=version,
             temperature=run.temperature, adapter_digest=group[0].adapter_digest, started_at=started,
             finished_at=time.time()) for prompt, group, r in zip(prompts, completions, rewards)], writer, seq=written))
+        mine.append((time.time(), len(prompts)))
         batch += 1
 
         # ---- log ----

@@ -335,7 +335,7 @@ def main():
         record = step_record(step, version, groups, staleness, rewards, lengths, m, stats, run)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             record["eval/accuracy"] = evaluate(engine, tokenizer, task, eval_problems, run, cfg.seed)
-        record |= {"sample/rollout_queue_size": max(0, buffer.count() - ledger.pending()), "perf/rollout_wait_s": wait_s,
+        record |= {"sample/rollout_queue_size": len(buffer.order), "perf/rollout_wait_s": wait_s,
                    "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s, "perf/step_s": time.time() - t0,
                    "lr": cfg.lr, "time": time.time()}
         acc = f" | eval/accuracy {record['eval/accuracy']:.3f}" if "eval/accuracy" in record else ""
@@ -353,7 +353,8 @@ def main():
             ledger.advance()
             buffer.collect(ledger.collect, fault_step=step)  # now covered by both kept checkpoints
             prune_checkpoints(storage)
-        lease.write(step=step, version=version, pending=ledger.pending())
+        lease.write(step=step, version=version, pending=ledger.pending(), waiting=len(buffer.order),
+                    waiting_at=buffer.listed_at)
 
     storage.put("DONE", f"finished at step {step}, version {version}\n")
     buffer.collect(ledger.consumed)  # nothing resumes a finished run: what the last checkpoint covers can go

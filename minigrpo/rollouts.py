@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import struct
+import time
 from dataclasses import dataclass
 
 import torch
@@ -147,7 +148,8 @@ class Ledger:
 
 class RolloutBuffer:
     def __init__(self, storage):
-        self.storage, self.order = storage, {}  # order: group ids in the order first seen (FIFO)
+        self.storage, self.order = storage, {}  # order: unconsumed group ids in the order first seen (FIFO)
+        self.listed_at = 0.0  # when take() last listed rollouts/: order holds what was waiting then
 
     # ---- generator side ----
     def write(self, groups: list[Group], writer: str, seq: int) -> list[str]:
@@ -165,7 +167,7 @@ class RolloutBuffer:
     def take(self, n: int, ledger: Ledger, validate=None, stats=None) -> list[Group]:
         """Up to n of the oldest groups the ledger has not seen, each recorded in it. A group that cannot be
         read or validated, for any reason, is quarantined (counted in stats) and the trainer goes on."""
-        stats = {} if stats is None else stats
+        stats, self.listed_at = {} if stats is None else stats, time.time()
         seen = [n.removesuffix(".safetensors") for n in self.storage.list("rollouts") if n.endswith(".safetensors")]
         for gid in sorted(seen, key=lambda i: (int(i.rsplit("-", 1)[-1]), i)):  # new ones: by sequence number
             if gid not in ledger.skip:

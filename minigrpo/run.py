@@ -134,14 +134,15 @@ def check_run(storage, settings: RunSettings, theirs: dict) -> dict:
 
 
 class Lease:
-    """owner.json: one trainer owns a run. The owner rewrites it every heartbeat_s with the time and its
-    progress (generators read `pending` from it for backpressure). Another trainer refuses to start while the
+    """owner.json: one trainer owns a run. The owner rewrites it every timeout_s / 6 with the time and its
+    progress (generators read `waiting` and `pending` from it for backpressure). Another trainer refuses to start while the
     heartbeat is younger than timeout_s, and takes the run over after that. The owner checks the lease before
     each step and exits at once if someone else took it."""
 
     def __init__(self, storage, timeout_s: float = 60.0):
         self.storage, self.timeout_s, self.lock = storage, timeout_s, threading.Lock()
-        self.info = {"owner": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid()}
+        self.info = {"owner": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(),
+                     "timeout_s": timeout_s}
         self.stop = threading.Event()
 
     def acquire(self):
