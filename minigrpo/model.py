@@ -128,13 +128,14 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float, posi
     """log pi(x_t | x_<t) for t >= 1 in float32 from logits / temperature, and the per-token entropy.
 
     input_ids: (B, L), right-padded with attention_mask (B, L); or packed sequences, one after another in a row,
-    with attention_mask None and position_ids (B, L) restarting at 0 where each sequence starts (transformers
-    then masks attention between them). Returns logp (B, L-1) with gradient, entropy (B, L-1) without. Position
+    with attention_mask None and position_ids (B, L) restarting at 0 where each sequence starts (load_model's
+    attention runs each sequence alone; transformers' own masks attention between them). Returns logp (B, L-1) with gradient, entropy (B, L-1) without. Position
     t-1 predicts token t, hence the shift by one. The output head must be a frozen bias-free nn.Linear (Qwen,
     Llama, Mistral and most causal LMs; LoRA trains only the adapter).
     """
     head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear) or head.bias is not None or head.weight.requires_grad and torch.is_grad_enabled():
+    trained = head.weight.requires_grad and torch.is_grad_enabled()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or trained:
         raise ValueError(f"sequence_logprobs needs a frozen bias-free linear output head, got {head}")
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               use_cache=False).last_hidden_state[:, :-1]  # (B, L-1, H)
