@@ -15,7 +15,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from common import report
 from minigrpo.grpo import grpo_loss
 from minigrpo.lora import inject_lora
-from minigrpo.model import sequence_logprobs
+from minigrpo.model import PACKED_SDPA, sequence_logprobs
 from minigrpo.run import RunSettings
 from train import TrainConfig, micro_batches, train_step
 
@@ -59,7 +59,8 @@ def padded_step(model, opt, seqs, run, cfg, k):
 if __name__ == "__main__":
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=1408, num_hidden_layers=4,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048))
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                         attn_implementation=PACKED_SDPA))  # as load_model sets it
     for p in model.parameters():
         p.requires_grad = False
     inject_lora(model, 8, 16)
