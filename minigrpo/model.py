@@ -6,10 +6,38 @@ any other name is a local folder or a Hugging Face repo id, loaded by the same c
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging as hf_logging
 
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+
+
+def packed_attention(module, query, key, value, attention_mask, position_ids=None, **kwargs):
+    """transformers' SDPA attention, except on a packed row (no mask; position ids restart at 0 where each sequence
+    starts): there each sequence attends causally to itself alone, one SDPA call per sequence, so no score between
+    two sequences is computed (a block-diagonal mask would compute all N x N of them and discard most). On GPUs,
+    attn_implementation="flash_attention_2" does the same from the same position ids (varlen kernels)."""
+    N = query.shape[2]  # query (1, heads, N, head_dim)
+    if attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != N:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [N]
+    parts = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
+             for s, e in zip(starts, starts[1:])]  # each (1, e - s, heads, head_dim)
+    return torch.cat(parts, dim=1), None
+
+
+def packed_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
+    """SDPA's mask, but none where there is no padding and no cache: packed_attention keeps sequences apart."""
+    if attention_mask is None and q_length == kv_length:
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, **kwargs)
+
+
+PACKED_SDPA = "minigrpo_packed_sdpa"  # load_model's attention: SDPA that also runs packed rows per sequence
+AttentionInterface.register(PACKED_SDPA, packed_attention)
+AttentionMaskInterface.register(PACKED_SDPA, packed_mask)
 
 
 def resolve_model(name: str) -> str:
@@ -31,7 +59,8 @@ def load_model(name: str, device: torch.device, dtype: str = "float32"):
     path = resolve_model(name)
     hf_logging.disable_progress_bar()  # one clean log line per step, no bars
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=PACKED_SDPA)
+    model = model.to(device).eval()
     for p in model.parameters():
         p.requires_grad = False
     if tokenizer.pad_token_id is None:
@@ -99,13 +128,14 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float, posi
     """log pi(x_t | x_<t) for t >= 1 in float32 from logits / temperature, and the per-token entropy.
 
     input_ids: (B, L), right-padded with attention_mask (B, L); or packed sequences, one after another in a row,
-    with attention_mask None and position_ids (B, L) restarting at 0 where each sequence starts (transformers
-    then masks attention between them). Returns logp (B, L-1) with gradient, entropy (B, L-1) without. Position
+    with attention_mask None and position_ids (B, L) restarting at 0 where each sequence starts (load_model's
+    attention runs each sequence alone; transformers' own masks attention between them). Returns logp (B, L-1) with gradient, entropy (B, L-1) without. Position
     t-1 predicts token t, hence the shift by one. The output head must be a frozen bias-free nn.Linear (Qwen,
     Llama, Mistral and most causal LMs; LoRA trains only the adapter).
     """
     head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear) or head.bias is not None or head.weight.requires_grad and torch.is_grad_enabled():
+    trained = head.weight.requires_grad and torch.is_grad_enabled()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or trained:
         raise ValueError(f"sequence_logprobs needs a frozen bias-free linear output head, got {head}")
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               use_cache=False).last_hidden_state[:, :-1]  # (B, L-1, H)

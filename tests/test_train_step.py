@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_model
 
 from minigrpo.lora import inject_lora, lora_layers
-from minigrpo.model import enable_checkpointing, packed_logprobs, sequence_logprobs
+from minigrpo.model import PACKED_SDPA, enable_checkpointing, packed_logprobs, sequence_logprobs
 from minigrpo.run import RunSettings
 from train import TrainConfig, collate, micro_batches, train_step
 
@@ -63,8 +63,10 @@ def lora_model(arch="qwen2"):
     return model
 
 
-def test_packed_sequences_see_only_themselves(arch):
+@pytest.mark.parametrize("attention", ["sdpa", PACKED_SDPA])  # transformers' block-diagonal mask; ours, per sequence
+def test_packed_sequences_see_only_themselves(arch, attention):
     model, seqs = lora_model(arch), sequences(tiny_model(), n=5)
+    model.set_attn_implementation(attention)
     ids, pos, where, mask, *_ = collate(seqs, torch.device("cpu"))
     logp, entropy = packed_logprobs(model, ids, pos, where, 0.7)  # (5, L-1)
     for i, s in enumerate(seqs):
@@ -81,6 +83,7 @@ def test_packed_step_equals_one_sequence_per_micro_batch():
     results = []
     for budget in (10_000, 1):  # all 12 sequences in one packed row; each sequence alone
         model = lora_model()
+        model.set_attn_implementation(PACKED_SDPA)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         m = train_step(model, opt, sequences(tiny_model()), RunSettings(max_new_tokens=8),
                        TrainConfig(micro_batch_tokens=budget, max_grad_norm=1e9), 0, torch.device("cpu"))

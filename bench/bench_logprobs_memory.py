@@ -1,0 +1,86 @@
+"""Memory-lean log-probs: peak memory and time of one forward+backward through sequence_logprobs (the output head
+applied a chunk of tokens at a time) against the textbook full-logits log_softmax, on a random Qwen2.5-1.5B-shaped
+model (vocabulary 151,936, 2 layers, bf16 weights, rank-1 LoRA) and 2 x 1024 tokens, on the CPU.
+
+Memory is the operating system's count, so torch's allocations are all seen: each arm runs in a fresh process,
+which resets its peak resident set size (echo 5 > /proc/self/clear_refs) once the model and inputs are built and
+reads VmHWM (the peak) after one step, minus VmRSS before it: the first step, with no cached allocations to hide
+behind. The step is also timed. The arms alternate, 3 processes each.
+
+    python bench/bench_logprobs_memory.py  # ~30 minutes on a 2-core CPU without bf16 matrix units (Linux: /proc)
+"""
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from common import report
+from minigrpo.lora import inject_lora
+from minigrpo.model import sequence_logprobs
+
+B, L, LAYERS, REPEATS = 2, 1024, 2, 3
+QWEN_15B = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
+                vocab_size=151936, tie_word_embeddings=True)
+
+
+def full_logits_logprobs(model, ids, attn, temperature):
+    """The textbook way (the trainer's before): the whole (B, L-1, V) logits, log_softmax and its exp."""
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (B, L-1, V)
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, L-1, V)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
+
+
+def status_kb(field: str) -> int:
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":"))
+
+
+def arm(name: str) -> dict:
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no float32 copy of the weights ever exists
+    model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=LAYERS, **QWEN_15B)).eval()
+    torch.set_default_dtype(torch.float32)
+    inject_lora(model, 1, 2)
+    ids = torch.randint(0, QWEN_15B["vocab_size"], (B, L))
+    fn = {"full logits": full_logits_logprobs, "chunked head": sequence_logprobs}[name]
+
+    def step():
+        logp, entropy = fn(model, ids, torch.ones_like(ids), 1.0)
+        logp.mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    open("/proc/self/clear_refs", "w").write("5")  # the peak RSS restarts from the current RSS
+    rss0, t0 = status_kb("VmRSS"), time.perf_counter()
+    step()
+    return {"growth_bytes": (status_kb("VmHWM") - rss0) * 1024, "step_s": time.perf_counter() - t0}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--arm":
+        print(json.dumps(arm(sys.argv[2])))
+        sys.exit()
+    logits_bytes = B * L * QWEN_15B["vocab_size"] * 2  # one bf16 logits tensor
+    runs = {"full logits": [], "chunked head": []}
+    for _ in range(REPEATS):
+        for name in runs:
+            out = subprocess.run([sys.executable, __file__, "--arm", name], capture_output=True, text=True, check=True)
+            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(name, runs[name][-1], flush=True)  # a slow machine shows its progress
+    rows = []
+    for name, rs in runs.items():
+        g = [r["growth_bytes"] / logits_bytes for r in rs]
+        t = [r["step_s"] for r in rs]
+        rows.append({"arm": name, "growth_vs_logits_mean": statistics.mean(g), "growth_vs_logits_sd": statistics.stdev(g),
+                     "growth_gb_mean": statistics.mean(r["growth_bytes"] for r in rs) / 1e9,
+                     "step_s_mean": statistics.mean(t), "step_s_sd": statistics.stdev(t)})
+    ratios = [n["step_s"] / o["step_s"] for o, n in zip(runs["full logits"], runs["chunked head"])]
+    report("logprobs_memory", rows, f"peak memory growth of forward+backward in units of one bf16 logits tensor "
+           f"({logits_bytes / 1e9:.2f} GB), {REPEATS} fresh processes per arm, alternating (target <= 1.5x); time "
+           f"chunked/full per pair: {statistics.mean(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f}; "
+           f"target <= 1.2)")
