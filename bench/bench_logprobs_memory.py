@@ -7,7 +7,9 @@ which resets its peak resident set size (echo 5 > /proc/self/clear_refs) once th
 reads VmHWM (the peak) after one step, minus VmRSS before it: the first step, with no cached allocations to hide
 behind. The step is also timed. The arms alternate, 3 processes each.
 
-    python bench/bench_logprobs_memory.py  # ~30 minutes on a 2-core CPU without bf16 matrix units (Linux: /proc)
+    python bench/bench_logprobs_memory.py  # Linux (/proc); hours on a CPU without bf16 matrix instructions, where
+                                           # a bf16 matmul with a 151,936-long reduction runs at ~0.5 GFLOP/s
+    python bench/bench_logprobs_memory.py 256 float32   # 2 x 256 tokens in float32: ~10 minutes on 2 cores
 """
 import json
 import statistics
@@ -22,7 +24,7 @@ from common import report
 from minigrpo.lora import inject_lora
 from minigrpo.model import sequence_logprobs
 
-B, L, LAYERS, REPEATS = 2, 1024, 2, 3
+B, LAYERS, REPEATS = 2, 2, 3
 QWEN_15B = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
                 vocab_size=151936, tie_word_embeddings=True)
 
@@ -40,10 +42,10 @@ def status_kb(field: str) -> int:
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":"))
 
 
-def arm(name: str) -> dict:
+def arm(name: str, L: int, dtype: str) -> dict:
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no float32 copy of the weights ever exists
+    torch.set_default_dtype(getattr(torch, dtype))  # built in that dtype: no float32 copy of bf16 weights exists
     model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=LAYERS, **QWEN_15B)).eval()
     torch.set_default_dtype(torch.float32)
     inject_lora(model, 1, 2)
@@ -62,14 +64,16 @@ def arm(name: str) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--arm":
-        print(json.dumps(arm(sys.argv[2])))
+    if len(sys.argv) == 5 and sys.argv[1] == "--arm":
+        print(json.dumps(arm(sys.argv[2], int(sys.argv[3]), sys.argv[4])))
         sys.exit()
-    logits_bytes = B * L * QWEN_15B["vocab_size"] * 2  # one bf16 logits tensor
+    L, dtype = (int(sys.argv[1]), sys.argv[2]) if len(sys.argv) == 3 else (1024, "bfloat16")
+    logits_bytes = B * L * QWEN_15B["vocab_size"] * getattr(torch, dtype).itemsize  # one logits tensor
     runs = {"full logits": [], "chunked head": []}
     for _ in range(REPEATS):
         for name in runs:
-            out = subprocess.run([sys.executable, __file__, "--arm", name], capture_output=True, text=True, check=True)
+            out = subprocess.run([sys.executable, __file__, "--arm", name, str(L), dtype], capture_output=True, text=True,
+                                 check=True)
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(name, runs[name][-1], flush=True)  # a slow machine shows its progress
     rows = []
@@ -80,7 +84,7 @@ if __name__ == "__main__":
                      "growth_gb_mean": statistics.mean(r["growth_bytes"] for r in rs) / 1e9,
                      "step_s_mean": statistics.mean(t), "step_s_sd": statistics.stdev(t)})
     ratios = [n["step_s"] / o["step_s"] for o, n in zip(runs["full logits"], runs["chunked head"])]
-    report("logprobs_memory", rows, f"peak memory growth of forward+backward in units of one bf16 logits tensor "
-           f"({logits_bytes / 1e9:.2f} GB), {REPEATS} fresh processes per arm, alternating (target <= 1.5x); time "
+    report("logprobs_memory", rows, f"{B} x {L} tokens, {dtype}: peak memory growth of forward+backward in units of "
+           f"one {dtype} logits tensor ({logits_bytes / 1e9:.2f} GB), {REPEATS} fresh processes per arm, alternating (target <= 1.5x); time "
            f"chunked/full per pair: {statistics.mean(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f}; "
            f"target <= 1.2)")
