@@ -84,9 +84,10 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
 
 
 def waiting_groups(buffer: RolloutBuffer, mine: list) -> int:
-    """Groups written but not consumed yet. A live trainer's lease says how many it saw waiting at its last step;
-    add what this generator wrote since (mine: (time, groups) of its writes). Without a live trainer, count the
-    objects in rollouts/ less those its lease says it consumed (a listing: slower on a bucket)."""
+    """Groups written but not consumed yet. A live trainer's lease says how many it saw waiting when it last
+    looked (at each step, and every second while it waits for groups); add what this generator wrote since
+    (mine: (time, groups) of its writes). Without a live trainer, count the objects in rollouts/ less those its
+    lease says it consumed (a listing: slower on a bucket)."""
     lease = read_json(buffer.storage, "owner.json") or {}
     if "waiting" not in lease or time.time() - lease["heartbeat"] > lease["timeout_s"]:
         return buffer.count() - lease.get("pending", 0)

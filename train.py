@@ -84,10 +84,16 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def take_batch(buffer, ledger, cfg, run, version, validate, stats):
+def report_progress(lease, ledger, buffer, **more):
+    """Tell the generators, through the lease, what this trainer consumed and how many groups it saw waiting."""
+    lease.write(pending=ledger.pending(), waiting=len(buffer.order), waiting_at=buffer.listed_at, **more)
+
+
+def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
     """Block until cfg.groups_per_step fresh groups are taken. Stale (and, for dapo, zero-std) groups are taken
-    too, so that they are consumed once, and counted in stats. Returns (groups, seconds waited)."""
-    t0, last_seen, groups = time.time(), time.time(), []
+    too, so that they are consumed once, and counted in stats. While it waits, the lease says so every second,
+    or a generator could keep waiting for room that the trainer has already made. Returns (groups, seconds waited)."""
+    t0, last_seen, told, groups = time.time(), time.time(), 0.0, []
     while len(groups) < cfg.groups_per_step:
         taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
         for g in taken:
@@ -104,6 +110,9 @@ def take_batch(buffer, ledger, cfg, run, version, validate, stats):
                              f"is generate.py running with --run_dir {cfg.run_dir}?")
         else:
             time.sleep(buffer.storage.poll_s)
+        if len(groups) < cfg.groups_per_step and time.time() - told > 1.0:
+            report_progress(lease, ledger, buffer)
+            told = time.time()
     return groups, time.time() - t0
 
 
@@ -323,7 +332,7 @@ def main():
         lease.check()
         validate = partial(check_group, run=meta, vocab_size=model.config.vocab_size, version=version,
                            digest_of=store.digest)
-        groups, wait_s = take_batch(buffer, ledger, cfg, run, version, validate, stats)
+        groups, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, stats)
         staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains
         seqs, rewards, lengths = build_sequences(groups, run, cfg, G)
         t1 = time.time()
@@ -353,8 +362,7 @@ def main():
             ledger.advance()
             buffer.collect(ledger.collect, fault_step=step)  # now covered by both kept checkpoints
             prune_checkpoints(storage)
-        lease.write(step=step, version=version, pending=ledger.pending(), waiting=len(buffer.order),
-                    waiting_at=buffer.listed_at)
+        report_progress(lease, ledger, buffer, step=step, version=version)
 
     storage.put("DONE", f"finished at step {step}, version {version}\n")
     buffer.collect(ledger.consumed)  # nothing resumes a finished run: what the last checkpoint covers can go

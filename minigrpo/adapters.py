@@ -67,7 +67,8 @@ class AdapterStore:
         """The digest of a version's weights ("" if it is gone), computed once."""
         if version not in self.digests:
             try:
-                self.digests[version] = adapter_digest(self.storage.get(f"adapters/{self.name(version)}/adapter_model.safetensors"))
+                weights = self.storage.get(f"adapters/{self.name(version)}/adapter_model.safetensors")
+                self.digests[version] = adapter_digest(weights)
             except FileNotFoundError:
                 return ""
         return self.digests[version]

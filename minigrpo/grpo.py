@@ -114,7 +114,8 @@ def health(log_v: torch.Tensor) -> dict:
     """Token means of v = pi_theta / mu and friends over the sampled tokens (N,); combine_metrics adds ess_frac."""
     v = torch.exp(log_v.clamp(-40, 40))
     return {"health/v_mean": v.mean().item(), "health/v_sq_mean": (v * v).mean().item(),
-            "health/mismatch_kl": ((v - 1) - log_v).mean().item(), "health/far_frac": (log_v.abs() > math.log(2)).float().mean().item()}
+            "health/mismatch_kl": ((v - 1) - log_v).mean().item(),
+            "health/far_frac": (log_v.abs() > math.log(2)).float().mean().item()}
 
 
 def combine_metrics(parts: list[dict]) -> dict:

@@ -92,7 +92,8 @@ def from_tensors(tensors: dict, metadata: dict, group_id: str) -> Group:
                  rewards=tensors["rewards"].tolist(), truncated=tensors["truncated"].tolist(),
                  policy_version=int(metadata["policy_version"]), temperature=float(metadata["temperature"]),
                  adapter_digest=metadata.get("adapter_digest", ""), group_id=group_id,
-                 generator_id=metadata.get("generator_id", ""), started_at=float(metadata.get("started_at", 0)), finished_at=float(metadata.get("finished_at", 0)))
+                 generator_id=metadata.get("generator_id", ""), started_at=float(metadata.get("started_at", 0)),
+                 finished_at=float(metadata.get("finished_at", 0)))
 
 
 def read_group(data: bytes, group_id: str) -> Group:

@@ -135,9 +135,9 @@ def check_run(storage, settings: RunSettings, theirs: dict) -> dict:
 
 class Lease:
     """owner.json: one trainer owns a run. The owner rewrites it every timeout_s / 6 with the time and its
-    progress (generators read `waiting` and `pending` from it for backpressure). Another trainer refuses to start while the
-    heartbeat is younger than timeout_s, and takes the run over after that. The owner checks the lease before
-    each step and exits at once if someone else took it."""
+    progress (generators read `waiting` and `pending` from it for backpressure). Another trainer refuses to
+    start while the heartbeat is younger than timeout_s, and takes the run over after that. The owner checks
+    the lease before each step and exits at once if someone else took it."""
 
     def __init__(self, storage, timeout_s: float = 60.0):
         self.storage, self.timeout_s, self.lock = storage, timeout_s, threading.Lock()
@@ -185,8 +185,11 @@ class Lease:
 
     def _beat(self):
         while not self.stop.wait(self.timeout_s / 6):
-            self.check()
-            self.write()
+            try:
+                self.check()
+                self.write()
+            except OSError:  # a full disk or a refused bucket: the main thread meets it too and says so
+                pass
 
     def release(self):
         self.stop.set()

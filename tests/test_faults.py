@@ -126,6 +126,21 @@ def test_a_second_trainer_is_refused_and_takes_over_once_the_first_is_dead(tmp_p
         gen.kill()
 
 
+def test_backpressure_below_one_batch_never_deadlocks(tmp_path):
+    """max_ready 4 < 16 groups a step: the generator waits for room while the trainer waits for groups, unless
+    the trainer says, while it waits, what it consumed."""
+    run_dir = str(tmp_path / "run")
+    gen = py("generate.py", "--run_dir", run_dir, "--generator_id", "g0", "--max_ready", "4")
+    try:
+        train = subprocess.run([sys.executable, *TRAIN, "--run_dir", run_dir, "--max_steps", "3", "--groups_per_step",
+                                "16"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
+        assert gen.wait(timeout=60) == 0
+    finally:
+        gen.kill()
+    assert [r["step"] for r in train_records(run_dir)] == [1, 2, 3]
+
+
 def test_resuming_with_other_training_settings_names_each_field():
     from train import TrainConfig, check_settings
     saved = vars(TrainConfig()) | {"lr": 1.0, "loss_type": "dapo"}
