@@ -16,16 +16,24 @@ DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_mode
 
 def packed_attention(module, query, key, value, attention_mask, position_ids=None, **kwargs):
     """transformers' SDPA attention, except on a packed row (no mask; position ids restart at 0 where each sequence
-    starts): there each sequence attends causally to itself alone, one SDPA call per sequence, so no score between
-    two sequences is computed (a block-diagonal mask would compute all N x N of them and discard most). On GPUs,
-    attn_implementation="flash_attention_2" does the same from the same position ids (varlen kernels)."""
+    starts): there each sequence attends causally to itself alone, so no score between two sequences is computed
+    (a block-diagonal mask would compute all N x N of them and discard most). Sequences of one length share one
+    SDPA call, stacked as a batch. On GPUs, attn_implementation="flash_attention_2" does the same from the same
+    position ids (varlen kernels)."""
     N = query.shape[2]  # query (1, heads, N, head_dim)
     if attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != N:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [N]
-    parts = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
-             for s, e in zip(starts, starts[1:])]  # each (1, e - s, heads, head_dim)
-    return torch.cat(parts, dim=1), None
+    spans = list(zip(starts, starts[1:]))
+    order, parts = [], []
+    for L in sorted({e - s for s, e in spans}):
+        idx = torch.tensor([t for s, e in spans if e - s == L for t in range(s, e)], device=query.device)
+        k = len(idx) // L
+        rows = lambda x: x[0][:, idx].view(x.shape[1], k, L, x.shape[3]).transpose(0, 1)  # noqa: E731 (k, h, L, d)
+        out = sdpa_attention_forward(module, rows(query), rows(key), rows(value), None, **kwargs)[0]  # (k, L, h, d)
+        parts.append(out.reshape(k * L, *out.shape[2:]))
+        order.append(idx)
+    return torch.cat(parts)[torch.argsort(torch.cat(order))][None], None  # (1, N, heads, head_dim), row order
 
 
 def packed_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
