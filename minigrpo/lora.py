@@ -31,7 +31,6 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base, self.r, self.alpha, self.use_rslora = base, r, alpha, use_rslora
         self.scaling = lora_scaling(r, alpha, use_rslora)
-        self.merged = False
         # LoRA weights live in float32 whatever the base dtype: the update is tiny and must not round away
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=base.weight.device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=base.weight.device))
@@ -39,24 +38,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):  # x: (..., in)
         y = self.base(x)  # (..., out)
-        if self.merged:
-            return y
         h = (x.to(self.lora_A.dtype) @ self.lora_A.T) * self.scaling  # (..., r): scale the small tensor
         return y + (h @ self.lora_B.T).to(y.dtype)  # (..., out)
-
-    def delta_weight(self):
-        return self.scaling * (self.lora_B @ self.lora_A)  # (out, in)
-
-    def merge(self):
-        """W <- W + scaling B A, so inference pays nothing; unmerge() undoes it (up to rounding)."""
-        if not self.merged:
-            self.base.weight.data += self.delta_weight().to(self.base.weight.dtype)
-            self.merged = True
-
-    def unmerge(self):
-        if self.merged:
-            self.base.weight.data -= self.delta_weight().to(self.base.weight.dtype)
-            self.merged = False
 
 
 def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:
@@ -83,7 +66,7 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
 
 @contextlib.contextmanager
 def lora_disabled(model: nn.Module):
-    """Run the (unmerged) model as its frozen base, e.g. for a reference-policy pass: scaling 0 switches B A off."""
+    """Run the model as its frozen base, e.g. for a reference-policy pass: scaling 0 switches B A off."""
     layers = list(lora_layers(model).values())
     saved = [layer.scaling for layer in layers]
     for layer in layers:
