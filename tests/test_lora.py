@@ -30,12 +30,7 @@ def test_forward_matches_the_hand_computed_example():
     layer = LoRALinear(base, r=1, alpha=2)
     layer.lora_A.data, layer.lora_B.data = torch.tensor([[1., 2]]), torch.tensor([[0.5], [-1]])
     x = torch.tensor([1., 1])
-    torch.testing.assert_close(layer(x), torch.tensor([4., -5]))
-    layer.merge()
-    torch.testing.assert_close(base.weight.data, torch.tensor([[2., 2], [-2, -3]]))
-    torch.testing.assert_close(layer(x), torch.tensor([4., -5]))
-    layer.unmerge()
-    torch.testing.assert_close(base.weight.data, torch.eye(2))
+    torch.testing.assert_close(layer(x), torch.tensor([4., -5]))  # (W + (alpha/r) B A) x, W = I: [[2, 2], [-2, -3]] x
 
 
 def test_fresh_adapter_is_identity(arch):
@@ -53,17 +48,12 @@ def test_only_lora_parameters_train_and_every_target_is_wrapped(arch):
     assert trainable and all(".lora_A" in n or ".lora_B" in n for n in trainable)
 
 
-def test_merge_gives_the_same_logits_and_unmerge_restores_the_base(arch):
+def test_a_disabled_adapter_gives_the_base_model(arch):
     model = tiny_model(arch)
     base_logits = model(IDS).logits
     inject_lora(model, r=4, alpha=8)
     randomize_b(model)
-    lora_logits = model(IDS).logits
-    for layer in lora_layers(model).values():
-        layer.merge()
-    torch.testing.assert_close(model(IDS).logits, lora_logits, atol=1e-5, rtol=1e-5)
-    for layer in lora_layers(model).values():
-        layer.unmerge()
+    assert (model(IDS).logits - base_logits).abs().max() > 1e-3  # the adapter changes the model
     with lora_disabled(model):
         torch.testing.assert_close(model(IDS).logits, base_logits, atol=1e-5, rtol=1e-5)
 
