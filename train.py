@@ -14,8 +14,9 @@ over once the owner's heartbeat is --lease_timeout_s old (at once if the owner d
 
 Where it departs from the GRPO paper, on purpose:
   1. Asynchronous: old_logp is the generator's own log-prob of each token (the behaviour policy, TRL's
-     AsyncGRPO), so the clipped ratio is the off-policy control. --old_logp recompute adds a no-grad pass at
-     the current weights and truncated importance sampling against the behaviour policy instead (oat style).
+     AsyncGRPO), so the clipped ratio is the off-policy control. --old_logp recompute takes pi_old to be the
+     current weights instead, with truncated importance sampling against the behaviour policy (oat style). With
+     one optimizer step per batch, those are the trainer's own log-probs, detached: it costs no extra pass.
   2. One optimizer step per batch of groups; no PPO epochs over the same data.
   3. No reference model unless --beta > 0 (DAPO and Dr. GRPO drop it too).
   4. Stale groups are dropped whole and counted, never reweighted.
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from minigrpo.adapters import AdapterStore
 from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
 from minigrpo.engine import SamplingParams, TorchEngine
-from minigrpo.grpo import advantages, combine_metrics, grpo_loss, overlong_penalty, zero_std_groups
+from minigrpo.grpo import Batch, LossConfig, advantages, combine_metrics, grpo_loss, overlong_penalty, zero_std_groups
 from minigrpo.lora import adapter_config, inject_lora, lora_disabled, lora_state_dict
 from minigrpo.model import enable_checkpointing, load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
 from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
@@ -42,7 +43,7 @@ from minigrpo.tasks import make_task, prompt_ids, score
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high, beta, tis_cap, is_mode) come first
     run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory: a folder or a URL "
                                                                 "(s3://bucket/prefix, gs://..., hf://buckets/...)"})
     max_steps: int = field(default=500, metadata={"help": "optimizer steps in the whole run"})
@@ -50,13 +51,8 @@ class TrainConfig:
     lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate on the LoRA weights"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping by global norm"})
-    loss_type: str = field(default="grpo", metadata={"help": "grpo | dr_grpo | dapo (see minigrpo/grpo.py)"})
-    eps_low: float = field(default=0.2, metadata={"help": "clip the ratio below at 1 - eps_low"})
-    eps_high: float | None = field(default=None, metadata={"help": "clip above at 1 + eps_high (default: 0.28 for dapo, else eps_low)"})
-    beta: float = field(default=0.0, metadata={"help": "weight of the k3 KL to the base model (0: no reference pass)"})
-    old_logp: str = field(default="behavior", metadata={"help": "behavior (generator log-probs) | recompute (no-grad pass)"})
-    tis_cap: float | None = field(default=None, metadata={"help": "truncated IS cap on pi_old/mu (default: 2 with recompute)"})
-    is_mode: str = field(default="token_truncate", metadata={"help": "token_truncate | token_mask | seq_truncate | seq_mask"})
+    old_logp: str = field(default="behavior", metadata={"help": "pi_old: behavior (the generator's log-probs) | "
+                                                                "recompute (the current weights)"})
     overlong_cache: int = field(default=0, metadata={"help": "DAPO soft overlong penalty over the last N tokens (0: off)"})
     sync_every: int = field(default=1, metadata={"help": "publish a new adapter version every N steps"})
     save_every: int = field(default=25, metadata={"help": "checkpoint every N steps (resume point)"})
@@ -75,12 +71,21 @@ class TrainConfig:
                                      "loss_type, ...) differ from the checkpoint's"})
 
     def __post_init__(self):
-        if self.eps_high is None:
-            self.eps_high = 0.28 if self.loss_type == "dapo" else self.eps_low
-        if self.tis_cap is None and self.old_logp == "recompute":
-            self.tis_cap = 2.0
+        super().__post_init__()
         if self.old_logp not in ("behavior", "recompute"):
             raise ValueError(f"--old_logp must be behavior or recompute, got {self.old_logp!r}")
+        if self.tis_cap is None and self.old_logp == "recompute":
+            self.tis_cap = 2.0
+
+
+@dataclass
+class Sample:
+    """One completion as the trainer sees it: prompt + completion token ids, the prompt's length, the sampler's
+    log-prob of each completion token, and the completion's advantage."""
+    ids: list[int]
+    prompt_len: int
+    behav: list[float]
+    adv: float
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,110 +121,115 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
     return groups, time.time() - t0
 
 
-def build_sequences(groups, run, cfg, G):
-    """One training sequence per completion: prompt + completion, its behaviour log-probs and advantage."""
+def build_samples(groups, run, cfg):
+    """One Sample per completion, with the group-normalised advantage. Returns (samples, rewards, lengths)."""
     rewards = torch.tensor([r for g in groups for r in g.rewards])  # (N*G,)
     lengths = torch.tensor([len(c) for g in groups for c in g.completion_ids])  # (N*G,)
     if cfg.overlong_cache:
         rewards = rewards + overlong_penalty(lengths, run.max_new_tokens, cfg.overlong_cache)
-    adv = advantages(rewards, G, scale_rewards=cfg.loss_type != "dr_grpo")  # (N*G,)
-    seqs = [{"ids": g.prompt_ids + c, "P": len(g.prompt_ids), "behav": lp}
-            for g in groups for c, lp in zip(g.completion_ids, g.behavior_logprobs)]
-    for s, a in zip(seqs, adv.tolist()):
-        s["adv"] = a
-    return seqs, rewards, lengths
+    adv = iter(advantages(rewards, run.group_size, scale_rewards=cfg.loss_type != "dr_grpo").tolist())  # (N*G,)
+    samples = [Sample(g.prompt_ids + c, len(g.prompt_ids), lp, next(adv))
+               for g in groups for c, lp in zip(g.completion_ids, g.behavior_logprobs)]
+    return samples, rewards, lengths
 
 
-def micro_batches(seqs, budget: int):
-    """First-fit decreasing: longest first, each sequence into the first micro-batch it fits in, so a micro-batch
-    holds at most `budget` tokens (a longer sequence gets one of its own). Packed, so nothing is padded."""
+def micro_batches(samples, budget: int):
+    """First-fit decreasing: longest first, each sample into the first micro-batch it fits in, so a micro-batch
+    holds at most `budget` tokens (a longer sample gets one of its own). Packed, so nothing is padded."""
     batches, sizes = [], []
-    for s in sorted(seqs, key=lambda s: -len(s["ids"])):
-        i = next((i for i, size in enumerate(sizes) if size + len(s["ids"]) <= budget), len(batches))
+    for s in sorted(samples, key=lambda s: -len(s.ids)):
+        i = next((i for i, size in enumerate(sizes) if size + len(s.ids) <= budget), len(batches))
         if i == len(batches):
             batches.append([]), sizes.append(0)
         batches[i].append(s)
-        sizes[i] += len(s["ids"])
+        sizes[i] += len(s.ids)
     return batches
 
 
-def collate(seqs, device):
-    """One packed row: the sequences one after another, ids (1, N), with position ids (1, N) restarting at 0 at
-    each sequence so the model attends within each one only (sequence_logprobs). The row's N-1 shifted log-probs
-    go back to one row per sequence through `where` (B, L-1); the completion mask and behaviour log-probs are
-    (B, L-1) too, as grpo_loss takes them. Places past a sequence's end point at 0, under mask 0."""
-    B, L = len(seqs), max(len(s["ids"]) for s in seqs)
-    ids = torch.tensor([t for s in seqs for t in s["ids"]])[None]  # (1, N)
-    pos = torch.cat([torch.arange(len(s["ids"])) for s in seqs])[None]  # (1, N)
+def collate(samples, device, num_seqs=None, num_tokens=None):
+    """One packed row: the samples one after another, ids (1, N), with position ids (1, N) restarting at 0 at
+    each sample so the model attends within each one only (model.packed_logprobs). The row's N-1 shifted
+    log-probs go back to one row per sample through `where` (B, L-1); the Batch's mask and behaviour log-probs
+    are (B, L-1) too. Places past a sample's end point at 0, under mask 0. Returns ((ids, pos, where), Batch)."""
+    B, L = len(samples), max(len(s.ids) for s in samples)
+    ids = torch.tensor([t for s in samples for t in s.ids])[None]  # (1, N)
+    pos = torch.cat([torch.arange(len(s.ids)) for s in samples])[None]  # (1, N)
     where = torch.zeros(B, L - 1, dtype=torch.long)
     mask, behav, start = torch.zeros(B, L - 1), torch.zeros(B, L - 1), 0
-    for i, s in enumerate(seqs):
-        n, P = len(s["ids"]), s["P"]
+    for i, s in enumerate(samples):
+        n, P = len(s.ids), s.prompt_len
         where[i, :n - 1] = torch.arange(start, start + n - 1)  # the row's logp[j] scores its token j + 1
         mask[i, P - 1:n - 1] = 1  # completion tokens P..n-1 are scored at P-1..n-2
-        behav[i, P - 1:n - 1] = torch.tensor(s["behav"])
+        behav[i, P - 1:n - 1] = torch.tensor(s.behav)
         start += n
-    adv = torch.tensor([s["adv"] for s in seqs])
-    return ids.to(device), pos.to(device), where.to(device), mask.to(device), behav.to(device), adv.to(device)
+    adv = torch.tensor([s.adv for s in samples])
+    batch = Batch(behav.to(device), adv.to(device), mask.to(device), num_seqs=num_seqs, num_tokens=num_tokens)
+    return (ids.to(device), pos.to(device), where.to(device)), batch
 
 
-def train_step(model, optimizer, seqs, run, cfg, pad_id, device, rank=0, world=1):
+def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
     """Forward/backward over packed micro-batches with the whole batch's normaliser, then one AdamW step.
-    Data-parallel: each rank takes every world-th sequence; the LoRA gradients are summed across ranks."""
-    num_seqs, num_tokens = len(seqs), sum(len(s["behav"]) for s in seqs)  # of the whole batch, on every rank
-    batches = [collate(mb, device) for mb in micro_batches(seqs[rank::world], cfg.micro_batch_tokens)]
-    old = [None] * len(batches)
-    if cfg.old_logp == "recompute":  # pi_old: the current weights, before this step's update
-        with torch.no_grad():
-            old = [packed_logprobs(model, *b[:3], run.temperature)[0] for b in batches]
-    ref = [None] * len(batches)
-    if cfg.beta > 0:  # pi_ref: the base model, i.e. the adapter switched off
-        with torch.no_grad(), lora_disabled(model):
-            ref = [packed_logprobs(model, *b[:3], run.temperature)[0] for b in batches]
-    parts, entropy_sum, loss_sum = [], 0.0, 0.0
+    Data-parallel: each rank takes every world-th sample; reduce() sums the gradients across ranks."""
+    num_tokens = sum(len(s.behav) for s in samples)  # of the whole batch, on every rank
+    micro = [collate(mb, device, len(samples), num_tokens)
+             for mb in micro_batches(samples[rank::world], cfg.micro_batch_tokens)]
+    parts, loss_sum = [], 0.0
     model.train(cfg.gradient_checkpointing)  # transformers checkpoints only in train mode (no dropout in these models)
-    for (ids, pos, where, mask, behav, adv), old_logp, ref_logp in zip(batches, old, ref):
-        logp, entropy = packed_logprobs(model, ids, pos, where, run.temperature)  # (b, L-1) each
-        loss, m = grpo_loss(logp, behav if old_logp is None else old_logp, behav, adv, mask, cfg.loss_type,
-                            cfg.eps_low, cfg.eps_high, cfg.tis_cap, cfg.beta, ref_logp, run.max_new_tokens,
-                            cfg.is_mode, num_seqs=num_seqs, num_tokens=num_tokens)
+    for inputs, batch in micro:
+        if cfg.beta > 0:  # pi_ref: the base model, i.e. the adapter switched off
+            with torch.no_grad(), lora_disabled(model):
+                batch.ref = packed_logprobs(model, *inputs, run.temperature)[0]
+        logp, entropy = packed_logprobs(model, *inputs, run.temperature)  # (b, L-1) each
+        if cfg.old_logp == "recompute":  # pi_old: the weights before this step's update, i.e. these
+            batch.old = logp.detach()
+        loss, m = grpo_loss(logp, batch, cfg, run.max_new_tokens)
         loss.backward()
-        parts.append(m)
-        entropy_sum += (entropy * mask).sum().item()
+        parts.append(m | {"entropy": (entropy * batch.mask).sum().item() / max(m["tokens"], 1)})
         loss_sum += loss.item()
     model.eval()  # and the engine needs eval mode for its KV cache
     params = [p for p in model.parameters() if p.requires_grad]
-    if world > 1:  # every rank ends with the whole batch's gradient and metrics, so every optimizer takes one step
-        for p in params:
-            if p.grad is None:  # this rank's share was empty
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (parts, entropy_sum, loss_sum))
-        parts = [x for g in gathered for x in g[0]]
-        entropy_sum, loss_sum = sum(g[1] for g in gathered), sum(g[2] for g in gathered)
+    parts, loss_sum = reduce(params, parts, loss_sum, world)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return combine_metrics(parts) | {"loss": loss_sum, "grad_norm": grad_norm, "entropy": entropy_sum / num_tokens,
-                                     "perf/micro_batches": len(batches)}
+    return combine_metrics(parts) | {"loss": loss_sum, "grad_norm": grad_norm, "perf/micro_batches": len(micro)}
 
 
+# ---- data parallel (torchrun): rank 0 leads, reading groups, publishing, checkpointing and logging ----
 def distributed() -> tuple[int, int]:
-    """(rank, world size). Under torchrun, join the process group; rank 0 leads (reads groups, publishes, logs)."""
+    """(rank, world size). Under torchrun, join the process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return int(os.environ.get("RANK", "0")), world
 
 
+def same_start(params, world: int):
+    """Rank 0's weights on every rank (a resume loaded them there)."""
+    for p in params if world > 1 else []:
+        dist.broadcast(p.data, src=0)
+
+
 def share(obj, world: int):
-    """Rank 0's object on every rank (the batch of sequences: kilobytes to megabytes of token ids)."""
+    """Rank 0's object on every rank (the batch of samples: kilobytes to megabytes of token ids)."""
     if world == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def reduce(params, parts: list[dict], loss_sum: float, world: int):
+    """Every rank ends with the whole batch's gradient and metrics, so every optimizer takes the same step."""
+    if world == 1:
+        return parts, loss_sum
+    for p in params:
+        if p.grad is None:  # this rank's share was empty
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (parts, loss_sum))
+    return [m for g in gathered for m in g[0]], sum(g[1] for g in gathered)
 
 
 def evaluate(engine, tokenizer, task, problems, run, seed) -> float:
@@ -246,6 +256,24 @@ def check_settings(saved: dict, cfg) -> list[str]:
             "threads", "wait_timeout_s", "lease_timeout_s", "allow_new_settings", "gradient_checkpointing"}
     return [f"{k}: the checkpoint has {saved[k]!r}, this command has {v!r}" for k, v in asdict(cfg).items()
             if k not in free and k in saved and saved[k] != v]
+
+
+def resume(storage, model, optimizer, cfg) -> dict | None:
+    """Load the newest intact checkpoint into model and optimizer. Returns its state, or None for a new run."""
+    state, skipped = load_checkpoint(storage, model, optimizer)
+    for s in skipped:
+        print(f"skipped checkpoint {s}", flush=True)
+    if state is None and skipped:
+        raise SystemExit(f"no intact checkpoint in {storage.url('checkpoints')} (see above); restore one or start a "
+                         f"new run with another --run_dir")
+    if state is None:
+        return None
+    if (changed := check_settings(state["config"], cfg)) and not cfg.allow_new_settings:
+        raise SystemExit("resuming with other training settings than the checkpoint's:\n  " + "\n  ".join(changed) +
+                         "\nuse the same flags, or pass --allow_new_settings true to change them on purpose")
+    step = state["step"]
+    print(f"resumed from {storage.url(f'checkpoints/step-{step:06d}')} (step {step})", flush=True)
+    return state
 
 
 def step_record(step, version, groups, staleness, rewards, lengths, m, stats, run) -> dict:
@@ -287,27 +315,14 @@ def main():
     eval_problems = task.eval_problems(cfg.eval_size)
     peft_config = adapter_config(run.lora_r, run.lora_alpha, run.lora_targets, resolve_model(run.model))
 
-    # ---- resume from the newest intact checkpoint, if any ----
-    state, skipped = load_checkpoint(storage, model, optimizer)
-    for s in skipped:
-        print(f"skipped checkpoint {s}", flush=True)
-    if state is None and skipped:
-        raise SystemExit(f"no intact checkpoint in {storage.url('checkpoints')} (see above); restore one or start a "
-                         f"new run with another --run_dir")
-    if state and (changed := check_settings(state["config"], cfg)) and not cfg.allow_new_settings:
-        raise SystemExit("resuming with other training settings than the checkpoint's:\n  " + "\n  ".join(changed) +
-                         "\nuse the same flags, or pass --allow_new_settings true to change them on purpose")
+    state = resume(storage, model, optimizer, cfg)
     step, stats = (state["step"], state["stats"]) if state else (0, {"dropped_stale_total": 0, "dropped_zero_std_total": 0,
                                                                       "bad_total": 0, "attribution_mismatch": 0})
-    if state:
-        print(f"resumed from {storage.url(f'checkpoints/step-{step:06d}')} (step {step})", flush=True)
-    if world > 1:
-        for p in params:  # the same start on every rank
-            dist.broadcast(p.data, src=0)
+    same_start(params, world)
     if rank > 0:  # the other ranks only compute: rank 0 reads groups, publishes, checkpoints and logs
         while step < cfg.max_steps:
             step += 1
-            train_step(model, optimizer, share(None, world), run, cfg, tokenizer.pad_token_id, device, rank, world)
+            train_step(model, optimizer, share(None, world), run, cfg, device, rank, world)
         dist.destroy_process_group()
         return
     ledger = Ledger(state and state["ledger"])
@@ -334,9 +349,9 @@ def main():
                            digest_of=store.digest)
         groups, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, stats)
         staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains
-        seqs, rewards, lengths = build_sequences(groups, run, cfg, G)
+        samples, rewards, lengths = build_samples(groups, run, cfg)
         t1 = time.time()
-        m = train_step(model, optimizer, share(seqs, world), run, cfg, tokenizer.pad_token_id, device, 0, world)
+        m = train_step(model, optimizer, share(samples, world), run, cfg, device, 0, world)
         fwd_bwd_s, sync_s = time.time() - t1, 0.0
         if step % cfg.sync_every == 0:
             version += 1

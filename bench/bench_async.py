@@ -27,7 +27,7 @@ from minigrpo.model import load_model, stop_token_ids
 from minigrpo.rollouts import Group
 from minigrpo.run import RunSettings
 from minigrpo.tasks import make_task, prompt_ids, score
-from train import TrainConfig, build_sequences, train_step
+from train import TrainConfig, build_samples, train_step
 
 STEPS, PROMPTS, REPEATS = 20, 16, 3
 POINTS = [dict(temperature=1.0, max_new_tokens=8), dict(temperature=2.0, max_new_tokens=32),
@@ -69,8 +69,8 @@ def one_process(point: dict) -> dict:
         groups = [Group(prompt, [c.token_ids for c in g], [c.logprobs for c in g], r, [c.finish_reason == "length" for c in g],
                         0, run.temperature) for prompt, g, r in zip(prompts, completions, score(task, tokenizer, problems, completions))]
         t2 = time.time()
-        seqs, _, _ = build_sequences(groups, run, cfg, run.group_size)
-        train_step(model, optimizer, seqs, run, cfg, tokenizer.pad_token_id, torch.device("cpu"))
+        samples, _, _ = build_samples(groups, run, cfg)
+        train_step(model, optimizer, samples, run, cfg, torch.device("cpu"))
         gen_s, train_s = gen_s + t2 - t1, train_s + time.time() - t2
     return {"time_s": time.time() - t0, "gen_share": gen_s / (gen_s + train_s)}
 

@@ -13,11 +13,11 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from common import report
-from minigrpo.grpo import grpo_loss
+from minigrpo.grpo import Batch, grpo_loss
 from minigrpo.lora import inject_lora
 from minigrpo.model import PACKED_SDPA, sequence_logprobs
 from minigrpo.run import RunSettings
-from train import TrainConfig, micro_batches, train_step
+from train import Sample, TrainConfig, micro_batches, train_step
 
 torch.set_num_threads(2)
 REPEATS = 3
@@ -31,25 +31,25 @@ def sequences(prompts, G, prompt_len, mu, sigma, max_new, seed=0):
         prompt = [rng.randrange(1, 1000) for _ in range(prompt_len)]
         for _ in range(G):
             T = min(max_new, max(1, int(rng.lognormvariate(mu, sigma))))
-            out.append({"ids": prompt + [rng.randrange(1, 1000) for _ in range(T)], "P": prompt_len,
-                        "behav": [-1.0] * T, "adv": rng.choice([-1.0, 1.0])})
+            out.append(Sample(prompt + [rng.randrange(1, 1000) for _ in range(T)], prompt_len, [-1.0] * T,
+                              rng.choice([-1.0, 1.0])))
     return out
 
 
 def padded_step(model, opt, seqs, run, cfg, k):
     """What a TRL user runs: k sequences per micro-batch in arrival order, right-padded to the longest."""
-    num_seqs, num_tokens = len(seqs), sum(len(s["behav"]) for s in seqs)
+    num_seqs, num_tokens = len(seqs), sum(len(s.behav) for s in seqs)
     for i in range(0, len(seqs), k):
         mb = seqs[i:i + k]
-        B, L = len(mb), max(len(s["ids"]) for s in mb)
+        B, L = len(mb), max(len(s.ids) for s in mb)
         ids, attn = torch.zeros(B, L, dtype=torch.long), torch.zeros(B, L, dtype=torch.long)
         mask, behav = torch.zeros(B, L - 1), torch.zeros(B, L - 1)
         for j, s in enumerate(mb):
-            n, P = len(s["ids"]), s["P"]
-            ids[j, :n], attn[j, :n], mask[j, P - 1:n - 1], behav[j, P - 1:n - 1] = torch.tensor(s["ids"]), 1, 1, torch.tensor(s["behav"])
+            n, P = len(s.ids), s.prompt_len
+            ids[j, :n], attn[j, :n], mask[j, P - 1:n - 1], behav[j, P - 1:n - 1] = torch.tensor(s.ids), 1, 1, torch.tensor(s.behav)
         logp, _ = sequence_logprobs(model, ids, attn, run.temperature)
-        loss, _ = grpo_loss(logp, behav, behav, torch.tensor([s["adv"] for s in mb]), mask, cfg.loss_type, cfg.eps_low,
-                            cfg.eps_high, num_seqs=num_seqs, num_tokens=num_tokens)
+        batch = Batch(behav, torch.tensor([s.adv for s in mb]), mask, num_seqs=num_seqs, num_tokens=num_tokens)
+        loss, _ = grpo_loss(logp, batch, cfg, run.max_new_tokens)
         loss.backward()
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
     opt.step()
@@ -69,10 +69,10 @@ if __name__ == "__main__":
              "demo-like: 16 prompts x G=8, 6 + 1..8": sequences(16, 8, 6, 1.2, 0.6, 8)}
     rows, notes = [], []
     for case, seqs in cases.items():
-        run, cfg, tokens = RunSettings(max_new_tokens=1024), TrainConfig(), sum(len(s["ids"]) for s in seqs)
+        run, cfg, tokens = RunSettings(max_new_tokens=1024), TrainConfig(), sum(len(s.ids) for s in seqs)
         arms = {"fixed 8 a micro-batch, padded": lambda: padded_step(model, opt, seqs, run, cfg, 8),
                 "fixed 16 a micro-batch, padded": lambda: padded_step(model, opt, seqs, run, cfg, 16),
-                f"packed, {cfg.micro_batch_tokens} tokens a row": lambda: train_step(model, opt, seqs, run, cfg, 0, torch.device("cpu"))}
+                f"packed, {cfg.micro_batch_tokens} tokens a row": lambda: train_step(model, opt, seqs, run, cfg, torch.device("cpu"))}
         times = {a: [] for a in arms}
         for fn in arms.values():
             fn()  # warm-up
@@ -85,7 +85,7 @@ if __name__ == "__main__":
         for a in arms:
             k = int(a.split()[1]) if a.startswith("fixed") else None
             mbs = [seqs[i:i + k] for i in range(0, len(seqs), k)] if k else micro_batches(seqs, cfg.micro_batch_tokens)
-            computed = sum(len(mb) * max(len(s["ids"]) for s in mb) for mb in mbs) if k else tokens
+            computed = sum(len(mb) * max(len(s.ids) for s in mb) for mb in mbs) if k else tokens
             speedup = [t / p for t, p in zip(times[a], packed)]  # per repeat: this arm's time / packed time
             rows.append({"sequences": case, "micro-batching": a, "micro_batches": len(mbs), "padding_frac": 1 - tokens / computed,
                          "step_s_mean": statistics.mean(times[a]), "step_s_sd": statistics.stdev(times[a]),

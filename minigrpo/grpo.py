@@ -18,6 +18,7 @@ with v = pi_theta / mu (slime and prime-rl report the same signals):
     health/far_frac         share of |log v| > ln 2   tokens whose probability differs by more than 2x
 """
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,8 +56,6 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> tor
 def is_weights(old_logp, behav_logp, mask, cap: float, mode: str = "token_truncate"):
     """Importance weight pi_old / mu per token (B, T), capped ("truncate") or zeroed above the cap ("mask"),
     per token or per sequence (rho_seq = exp sum_t (log pi_old - log mu)). Returns (w, rho) without gradient."""
-    if mode not in IS_MODES:
-        raise ValueError(f"is_mode must be one of {IS_MODES}, got {mode!r}")
     log_rho = (old_logp - behav_logp).detach() * mask  # (B, T)
     if mode.startswith("seq"):
         log_rho = log_rho.sum(1, keepdim=True).expand_as(log_rho)  # (B, T), one value per sequence
@@ -65,31 +64,61 @@ def is_weights(old_logp, behav_logp, mask, cap: float, mode: str = "token_trunca
     return w, rho
 
 
-def grpo_loss(logp, old_logp, behav_logp, adv, mask, loss_type="grpo", eps_low=0.2, eps_high=0.2,
-              tis_cap=None, beta=0.0, ref_logp=None, max_new_tokens=None, is_mode="token_truncate",
-              num_seqs=None, num_tokens=None):
-    """logp, old_logp, behav_logp, mask: (B, T); adv: (B,). Only logp carries gradient. Returns (loss, metrics)."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    mask = mask.to(logp.dtype)
-    old_logp, behav_logp, adv = old_logp.detach(), behav_logp.detach(), adv.detach()
+@dataclass
+class LossConfig:
+    """The loss's settings. train.py's TrainConfig extends this class, so each is also a flag of train.py."""
+    loss_type: str = field(default="grpo", metadata={"help": "grpo | dr_grpo | dapo (see minigrpo/grpo.py)"})
+    eps_low: float = field(default=0.2, metadata={"help": "clip the ratio below at 1 - eps_low"})
+    eps_high: float | None = field(default=None, metadata={"help": "clip above at 1 + eps_high (default: 0.28 for "
+                                                                   "dapo, else eps_low)"})
+    beta: float = field(default=0.0, metadata={"help": "weight of the k3 KL to the base model (0: no reference pass)"})
+    tis_cap: float | None = field(default=None, metadata={"help": "truncated IS cap on pi_old/mu (default: none; 2 "
+                                                                  "with --old_logp recompute)"})
+    is_mode: str = field(default="token_truncate", metadata={"help": " | ".join(IS_MODES)})
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.is_mode not in IS_MODES:
+            raise ValueError(f"is_mode must be one of {IS_MODES}, got {self.is_mode!r}")
+        if self.eps_high is None:
+            self.eps_high = 0.28 if self.loss_type == "dapo" else self.eps_low
+
+
+@dataclass
+class Batch:
+    """What the loss takes besides the trainer's log-probs: per token (B, T), per sequence (B,)."""
+    behav: torch.Tensor  # (B, T) mu: the sampler's log-probs of the sampled tokens
+    adv: torch.Tensor  # (B,) advantages
+    mask: torch.Tensor  # (B, T) 1 on completion tokens, 0 on the prompt and past the end
+    old: torch.Tensor | None = None  # (B, T) pi_old; None: mu itself (the behaviour policy)
+    ref: torch.Tensor | None = None  # (B, T) pi_ref, for the KL term when beta > 0
+    num_seqs: int | None = None  # the whole optimizer batch's normalisers (None: this batch's own)
+    num_tokens: int | None = None
+
+
+def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens: int | None = None):
+    """logp (B, T): the trainer's log-probs, the only input with a gradient. Returns (loss, metrics)."""
+    mask = batch.mask.to(logp.dtype)
+    behav_logp, adv = batch.behav.detach(), batch.adv.detach()
+    old_logp = behav_logp if batch.old is None else batch.old.detach()
     log_ratio = (logp - old_logp) * mask  # (B, T); 0 on padding so exp() stays finite
     ratio = torch.exp(log_ratio)  # (B, T)
     A = adv[:, None].to(logp.dtype)  # (B, 1)
-    surrogate = torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # (B, T)
+    surrogate = torch.min(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)  # (B, T)
     w = torch.ones_like(logp)
-    if tis_cap is not None:
-        w, rho = is_weights(old_logp, behav_logp, mask, tis_cap, is_mode)
+    if cfg.tis_cap is not None:
+        w, rho = is_weights(old_logp, behav_logp, mask, cfg.tis_cap, cfg.is_mode)
     per_token = -w * surrogate  # (B, T)
-    if beta > 0:
-        delta = ((ref_logp.detach() - logp) * mask).clamp(-40, 40)  # (B, T)
-        per_token = per_token + beta * (torch.exp(delta) - delta - 1)  # k3 estimator of KL(pi_theta || pi_ref)
+    if cfg.beta > 0:
+        delta = ((batch.ref.detach() - logp) * mask).clamp(-40, 40)  # (B, T)
+        per_token = per_token + cfg.beta * (torch.exp(delta) - delta - 1)  # k3 estimator of KL(pi_theta || pi_ref)
 
-    num_seqs = num_seqs or logp.shape[0]
-    if loss_type == "grpo":
+    num_seqs = batch.num_seqs or logp.shape[0]
+    if cfg.loss_type == "grpo":
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
-    elif loss_type == "dapo":
-        loss = (per_token * mask).sum() / (num_tokens or mask.sum().clamp(min=1))
+    elif cfg.loss_type == "dapo":
+        loss = (per_token * mask).sum() / (batch.num_tokens or mask.sum().clamp(min=1))
     else:
         if not max_new_tokens:
             raise ValueError("loss_type='dr_grpo' normalises by max_new_tokens; pass it")
@@ -101,11 +130,12 @@ def grpo_loss(logp, old_logp, behav_logp, adv, mask, loss_type="grpo", eps_low=0
         A_tok = A.expand_as(ratio)[valid]
         metrics = {"tokens": valid.sum().item(),
                    "ratio/mean": r.mean().item(), "ratio/min": r.min().item(), "ratio/max": r.max().item(),
-                   "clip_ratio/low": ((r < 1 - eps_low) & (A_tok < 0)).float().mean().item(),
-                   "clip_ratio/high": ((r > 1 + eps_high) & (A_tok > 0)).float().mean().item(),
+                   "clip_ratio/low": ((r < 1 - cfg.eps_low) & (A_tok < 0)).float().mean().item(),
+                   "clip_ratio/high": ((r > 1 + cfg.eps_high) & (A_tok > 0)).float().mean().item(),
                    "kl": ((r - 1) - torch.log(r)).mean().item()}  # k3 of KL(mu || pi_theta) when old is mu
-        if tis_cap is not None:
-            metrics |= {"is/mean": rho[valid].mean().item(), "is/frac_capped": (rho[valid] > tis_cap).float().mean().item()}
+        if cfg.tis_cap is not None:
+            metrics |= {"is/mean": rho[valid].mean().item(),
+                        "is/frac_capped": (rho[valid] > cfg.tis_cap).float().mean().item()}
         metrics |= health(logp[valid] - behav_logp[valid])
     return loss, metrics
 

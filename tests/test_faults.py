@@ -145,7 +145,7 @@ def test_resuming_with_other_training_settings_names_each_field():
     from train import TrainConfig, check_settings
     saved = vars(TrainConfig()) | {"lr": 1.0, "loss_type": "dapo"}
     assert check_settings(saved, TrainConfig(max_steps=9, device="cpu")) == [
-        "lr: the checkpoint has 1.0, this command has 0.003", "loss_type: the checkpoint has 'dapo', this command has 'grpo'"]
+        "loss_type: the checkpoint has 'dapo', this command has 'grpo'", "lr: the checkpoint has 1.0, this command has 0.003"]
 
 
 def test_generators_killed_mid_write_never_leave_a_partial_group(tmp_path):

@@ -7,12 +7,20 @@ import math
 import pytest
 import torch
 
-from minigrpo.grpo import advantages, combine_metrics, grpo_loss, health, is_weights, overlong_penalty, zero_std_groups
+from minigrpo.grpo import (Batch, LossConfig, advantages, combine_metrics, grpo_loss, health, is_weights, overlong_penalty,
+                          zero_std_groups)
 from minigrpo.run import RunSettings
 
 close = lambda a, b, tol=1e-6: torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64),
                                                           torch.as_tensor(b, dtype=torch.float64), rtol=0, atol=tol)
 
+
+
+def loss_of(logp, old, behav, adv, mask, loss_type="grpo", eps_low=0.2, eps_high=None, tis_cap=None, beta=0.0,
+            ref_logp=None, max_new_tokens=None, num_seqs=None, num_tokens=None):
+    """grpo_loss with the tensors and settings spelled out, as the hand computations name them."""
+    batch = Batch(behav, adv, mask, old=old, ref=ref_logp, num_seqs=num_seqs, num_tokens=num_tokens)
+    return grpo_loss(logp, batch, LossConfig(loss_type, eps_low, eps_high, beta, tis_cap), max_new_tokens)
 
 def test_t1_scaled_advantage_uses_unbiased_std():
     close(advantages(torch.tensor([1., 0, 0, 1]), 4, eps=0), [0.8660254, -0.8660254, -0.8660254, 0.8660254])
@@ -52,12 +60,12 @@ def test_t5_clipped_surrogate_per_token(eps_high, expected):
     zeros = torch.zeros(5, 1)
     # one token per sequence, dapo with num_tokens=1 sums the per-token losses; check them one by one
     for i in range(5):
-        loss, m = grpo_loss(logp[i:i + 1, None], zeros[i:i + 1], zeros[i:i + 1], A[i:i + 1], torch.ones(1, 1),
+        loss, m = loss_of(logp[i:i + 1, None], zeros[i:i + 1], zeros[i:i + 1], A[i:i + 1], torch.ones(1, 1),
                             "dapo", 0.2, eps_high)
         close(loss.item(), expected[i], 1e-6)
         grad, = torch.autograd.grad(loss, logp)
         assert (grad[i] == 0) == (i in (0, 1)), "clipped tokens carry no gradient, unclipped ones do"
-    _, m = grpo_loss(logp[:, None], zeros, zeros, A, torch.ones(5, 1), "dapo", 0.2, 0.2)
+    _, m = loss_of(logp[:, None], zeros, zeros, A, torch.ones(5, 1), "dapo", 0.2, 0.2)
     close(m["clip_ratio/low"], 0.2)
     close(m["clip_ratio/high"], 0.2)
 
@@ -65,12 +73,12 @@ def test_t5_clipped_surrogate_per_token(eps_high, expected):
 @pytest.mark.parametrize("loss_type, expected", [("grpo", 1.5), ("dapo", 10 / 6), ("dr_grpo", 0.625)])
 def test_t6_aggregation_and_padding_does_not_matter(loss_type, expected):
     # with ratio 1 the per-token loss is -A: A = -1 gives losses [1, 1], A = -2 gives [2, 2, 2, 2]
-    loss, _ = grpo_loss(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 4), torch.tensor([-1., -2]),
+    loss, _ = loss_of(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 4), torch.tensor([-1., -2]),
                         torch.tensor([[1., 1, 0, 0], [1, 1, 1, 1]]), loss_type, max_new_tokens=8)
     close(loss.item(), expected)
     garbage = torch.tensor([[0., 0, 5.0, -7.0], [0, 0, 0, 0]])  # padded positions hold arbitrary values
     mask = torch.tensor([[1., 1, 0, 0], [1, 1, 1, 1]])
-    loss, _ = grpo_loss(garbage, garbage, garbage, torch.tensor([-1., -2]), mask, loss_type, max_new_tokens=8)
+    loss, _ = loss_of(garbage, garbage, garbage, torch.tensor([-1., -2]), mask, loss_type, max_new_tokens=8)
     close(loss.item(), expected)
 
 
@@ -85,7 +93,7 @@ def test_t7_end_to_end_gradients_on_policy(loss_type):
     close(adv, [0.7071068, -0.7071068] if scale else [0.5, -0.5])
     mask = torch.tensor([[1., 1, 0], [1, 1, 1]])
     logp = torch.full((2, 3), -1.0, requires_grad=True)
-    loss, m = grpo_loss(logp, logp.detach(), logp.detach(), adv, mask, loss_type, max_new_tokens=4)
+    loss, m = loss_of(logp, logp.detach(), logp.detach(), adv, mask, loss_type, max_new_tokens=4)
     loss.backward()
     value, (g1, g2) = T7[loss_type]
     close(loss.item(), value)
@@ -96,7 +104,7 @@ def test_t7_end_to_end_gradients_on_policy(loss_type):
 def test_t7_dr_grpo_with_scaled_advantages():
     adv = advantages(torch.tensor([1., 0]), 2, eps=0)
     mask = torch.tensor([[1., 1, 0], [1, 1, 1]])
-    loss, _ = grpo_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), adv, mask, "dr_grpo", max_new_tokens=4)
+    loss, _ = loss_of(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), adv, mask, "dr_grpo", max_new_tokens=4)
     close(loss.item(), 0.0883883)
 
 
@@ -117,7 +125,7 @@ def test_t9_recompute_mode_weights_by_truncated_is(behav, loss_value):
     logp = torch.tensor([[-0.9]], requires_grad=True)
     old = torch.tensor([[-1.0]], requires_grad=True)
     behav_t = torch.tensor([[behav]], requires_grad=True)
-    loss, _ = grpo_loss(logp, old, behav_t, torch.tensor([1.0]), torch.ones(1, 1), "dapo", 0.2, 0.28, tis_cap=2.0)
+    loss, _ = loss_of(logp, old, behav_t, torch.tensor([1.0]), torch.ones(1, 1), "dapo", 0.2, 0.28, tis_cap=2.0)
     loss.backward()
     close(loss.item(), loss_value)
     close(logp.grad.item(), loss_value)
@@ -127,7 +135,7 @@ def test_t9_recompute_mode_weights_by_truncated_is(behav, loss_value):
 def test_t9_behaviour_mode_clips_the_same_token():
     logp = torch.tensor([[-0.9]], requires_grad=True)
     behav = torch.tensor([[-1.5]])
-    loss, _ = grpo_loss(logp, behav, behav, torch.tensor([1.0]), torch.ones(1, 1), "dapo", 0.2, 0.28)
+    loss, _ = loss_of(logp, behav, behav, torch.tensor([1.0]), torch.ones(1, 1), "dapo", 0.2, 0.28)
     loss.backward()
     close(loss.item(), -1.28)
     assert logp.grad.item() == 0.0
@@ -135,12 +143,12 @@ def test_t9_behaviour_mode_clips_the_same_token():
 
 def test_t10_kl_penalty_and_ratio_metrics():
     logp = torch.tensor([[-1.0]])
-    out = grpo_loss(logp, logp, logp, torch.zeros(1), torch.ones(1, 1), "dapo", beta=1.0, ref_logp=torch.tensor([[-1.5]]))[0]
+    out = loss_of(logp, logp, logp, torch.zeros(1), torch.ones(1, 1), "dapo", beta=1.0, ref_logp=torch.tensor([[-1.5]]))[0]
     close(out.item(), 0.1065307)
-    out = grpo_loss(logp, logp, logp, torch.zeros(1), torch.ones(1, 1), "dapo", beta=1.0, ref_logp=logp)[0]
+    out = loss_of(logp, logp, logp, torch.zeros(1), torch.ones(1, 1), "dapo", beta=1.0, ref_logp=logp)[0]
     assert out.item() == 0.0
     log_ratio = torch.tensor([[0.1, -0.2]])
-    _, m = grpo_loss(log_ratio, torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), "dapo")
+    _, m = loss_of(log_ratio, torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), "dapo")
     close([m["ratio/mean"], m["ratio/min"], m["ratio/max"], m["kl"]], [0.9619508, 0.8187308, 1.1051709, 0.0119508])
 
 
@@ -160,16 +168,16 @@ def test_micro_batches_with_the_global_normaliser_match_the_full_batch(loss_type
     mask[:, 0] = 1
     logp = (-torch.rand(B, T)).requires_grad_()
     old, adv = logp.detach() - 0.1 * torch.rand(B, T), torch.randn(B)
-    full, _ = grpo_loss(logp, old, old, adv, mask, loss_type, max_new_tokens=T)
+    full, _ = loss_of(logp, old, old, adv, mask, loss_type, max_new_tokens=T)
     g_full, = torch.autograd.grad(full, logp)
     kw = dict(num_seqs=B, num_tokens=mask.sum(), max_new_tokens=T)
-    parts = [grpo_loss(logp[s], old[s], old[s], adv[s], mask[s], loss_type, **kw) for s in (slice(0, 2), slice(2, 6))]
+    parts = [loss_of(logp[s], old[s], old[s], adv[s], mask[s], loss_type, **kw) for s in (slice(0, 2), slice(2, 6))]
     total = sum(p[0] for p in parts)
     g_parts, = torch.autograd.grad(total, logp)
     close(total.item(), full.item())
     close(g_parts, g_full)
     merged = combine_metrics([p[1] for p in parts])
-    _, whole = grpo_loss(logp, old, old, adv, mask, loss_type, max_new_tokens=T)
+    _, whole = loss_of(logp, old, old, adv, mask, loss_type, max_new_tokens=T)
     assert merged["tokens"] == whole["tokens"]
     assert math.isclose(merged["ratio/mean"], whole["ratio/mean"], rel_tol=1e-6)
     assert merged["ratio/max"] == whole["ratio/max"]
@@ -177,7 +185,7 @@ def test_micro_batches_with_the_global_normaliser_match_the_full_batch(loss_type
 
 def test_unknown_loss_type_is_named():
     with pytest.raises(ValueError, match="loss_type"):
-        grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), "ppo")
+        loss_of(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), "ppo")
 
 
 def test_health_of_equal_weights_is_perfect():
