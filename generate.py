@@ -149,9 +149,7 @@ def main():
             break
         t0 = time.time()
         if latest != engine.version and latest not in skipped:
-            path = store.url(latest)
-            if cfg.replica_run_dir:  # the same object, as the replicas see it
-                path = f"{cfg.replica_run_dir.rstrip('/')}/adapters/{store.name(latest)}"
+            path = f"{cfg.replica_run_dir.rstrip('/') or storage.url()}/adapters/{store.name(latest)}"
             try:
                 engine.load_adapter(latest, path)
             except (OSError, ValueError, KeyError, SafetensorError) as e:  # incomplete or damaged: keep the old one

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load, save
+from torch.nn.utils.rnn import pad_sequence
 
 from minigrpo.run import fault
 
@@ -26,6 +27,8 @@ FORMAT = "minigrpo.group.v1"
 INTS = (torch.int64, torch.int32)
 DTYPES = {"prompt_ids": INTS, "completion_ids": INTS, "completion_lens": INTS, "behavior_logprobs": (torch.float32,),
           "rewards": (torch.float32,), "truncated": (torch.bool,)}
+META = {"policy_version": int, "temperature": float, "adapter_digest": str, "generator_id": str, "started_at": float,
+        "finished_at": float}  # the Group fields kept as string metadata, and how to read each back
 
 
 @dataclass
@@ -50,22 +53,19 @@ class Group:
 
 def to_tensors(group: Group) -> tuple[dict, dict]:
     """(tensors, metadata): completions right-padded to the longest, with their lengths alongside."""
-    G, T = len(group), max(len(c) for c in group.completion_ids)
-    ids, logps = torch.zeros(G, T, dtype=torch.long), torch.zeros(G, T)
-    for i, (c, lp) in enumerate(zip(group.completion_ids, group.behavior_logprobs)):
-        ids[i, :len(c)], logps[i, :len(lp)] = torch.tensor(c, dtype=torch.long), torch.tensor(lp)
-    tensors = {"prompt_ids": torch.tensor(group.prompt_ids, dtype=torch.long), "completion_ids": ids,
+    tensors = {"prompt_ids": torch.tensor(group.prompt_ids, dtype=torch.long),
+               "completion_ids": pad_sequence([torch.tensor(c, dtype=torch.long) for c in group.completion_ids], True),
                "completion_lens": torch.tensor([len(c) for c in group.completion_ids], dtype=torch.long),
-               "behavior_logprobs": logps, "rewards": torch.tensor(group.rewards, dtype=torch.float32),
+               "behavior_logprobs": pad_sequence([torch.tensor(lp) for lp in group.behavior_logprobs], True),
+               "rewards": torch.tensor(group.rewards, dtype=torch.float32),
                "truncated": torch.tensor(group.truncated, dtype=torch.bool)}
-    metadata = {"format": FORMAT, "policy_version": str(group.policy_version), "temperature": repr(group.temperature),
-                "adapter_digest": group.adapter_digest, "generator_id": group.generator_id,
-                "started_at": repr(group.started_at), "finished_at": repr(group.finished_at)}
-    return tensors, metadata
+    return tensors, {"format": FORMAT} | {k: str(getattr(group, k)) for k in META}
 
 
-def from_tensors(tensors: dict, metadata: dict, group_id: str) -> Group:
+def read_group(data: bytes, group_id: str) -> Group:
     """Inverse of to_tensors, validating as it goes: any inconsistency is a ValueError that says what is wrong."""
+    n = struct.unpack("<Q", data[:8])[0]  # safetensors: the header's length in 8 bytes, then the JSON header
+    tensors, metadata = load(data), json.loads(data[8:8 + n]).get("__metadata__") or {}
     if metadata.get("format") != FORMAT:
         raise ValueError(f"format is {metadata.get('format')!r}, expected {FORMAT!r}")
     if missing := DTYPES.keys() - tensors.keys():
@@ -89,16 +89,8 @@ def from_tensors(tensors: dict, metadata: dict, group_id: str) -> Group:
     return Group(prompt_ids=tensors["prompt_ids"].tolist(),
                  completion_ids=[row[:k] for row, k in zip(ids.tolist(), lens)],
                  behavior_logprobs=[row[:k] for row, k in zip(logps.tolist(), lens)],
-                 rewards=tensors["rewards"].tolist(), truncated=tensors["truncated"].tolist(),
-                 policy_version=int(metadata["policy_version"]), temperature=float(metadata["temperature"]),
-                 adapter_digest=metadata.get("adapter_digest", ""), group_id=group_id,
-                 generator_id=metadata.get("generator_id", ""), started_at=float(metadata.get("started_at", 0)),
-                 finished_at=float(metadata.get("finished_at", 0)))
-
-
-def read_group(data: bytes, group_id: str) -> Group:
-    n = struct.unpack("<Q", data[:8])[0]  # safetensors: the header's length in 8 bytes, then the JSON header
-    return from_tensors(load(data), json.loads(data[8:8 + n]).get("__metadata__") or {}, group_id)
+                 rewards=tensors["rewards"].tolist(), truncated=tensors["truncated"].tolist(), group_id=group_id,
+                 **{k: read(metadata[k]) for k, read in META.items() if k in metadata})
 
 
 def group_key(group_id: str) -> str:
