@@ -77,8 +77,7 @@ def read_group(data: bytes, group_id: str) -> Group:
     G = lens.numel()
     if ids.dim() != 2 or ids.shape != logps.shape or ids.shape[0] != G or tensors["rewards"].shape != (G,) \
             or tensors["truncated"].shape != (G,) or tensors["prompt_ids"].dim() != 1:
-        raise ValueError(f"inconsistent shapes: completion_ids {tuple(ids.shape)}, behavior_logprobs "
-                         f"{tuple(logps.shape)}, completion_lens {tuple(lens.shape)}, rewards {tuple(tensors['rewards'].shape)}")
+        raise ValueError(f"inconsistent shapes: { {name: tuple(tensors[name].shape) for name in DTYPES} }")
     if G == 0 or lens.min() < 1 or lens.max() > ids.shape[1]:
         raise ValueError(f"completion lengths {lens.tolist()} do not fit {ids.shape[1]} columns")
     if not torch.isfinite(logps).all() or logps.max() > 1e-4:
@@ -152,17 +151,16 @@ class RolloutBuffer:
         self.storage.put_many({group_key(g.group_id): save(*to_tensors(g)) for g in groups})
         return [g.group_id for g in groups]
 
-    def count(self) -> int:
-        """Objects in rollouts/, consumed or not (the trainer publishes how many of them it consumed)."""
-        return sum(1 for n in self.storage.list("rollouts") if n.endswith(".safetensors"))
+    def listed(self) -> list[str]:
+        """Ids of the groups in rollouts/, consumed or not (the trainer publishes how many of them it consumed)."""
+        return [n.removesuffix(".safetensors") for n in self.storage.list("rollouts") if n.endswith(".safetensors")]
 
     # ---- trainer side ----
     def take(self, n: int, ledger: Ledger, validate=None, stats=None) -> list[Group]:
         """Up to n of the oldest groups the ledger has not seen, each recorded in it. A group that cannot be
         read or validated, for any reason, is quarantined (counted in stats) and the trainer goes on."""
         stats, self.listed_at = {} if stats is None else stats, time.time()
-        seen = [n.removesuffix(".safetensors") for n in self.storage.list("rollouts") if n.endswith(".safetensors")]
-        for gid in sorted(seen, key=lambda i: (int(i.rsplit("-", 1)[-1]), i)):  # new ones: by sequence number
+        for gid in sorted(self.listed(), key=lambda i: (int(i.rsplit("-", 1)[-1]), i)):  # new ones: by sequence number
             if gid not in ledger.skip:
                 self.order.setdefault(gid, None)
         groups = []
