@@ -230,4 +230,4 @@ def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_o
 
 
 class AttributionError(ValueError):
-    pass
+    """A group whose adapter digest is not the one of the version it names."""
