@@ -161,9 +161,10 @@ class Lease:
     def dead_here(theirs: dict) -> bool:
         """A killed trainer on this same host: its lease can be taken at once (a restart after SIGKILL)."""
         try:
-            os.kill(int(theirs.get("pid", 0)), 0)  # signal 0 only asks whether the process exists
+            if theirs.get("host") == socket.gethostname():
+                os.kill(int(theirs.get("pid", 0)), 0)  # signal 0 only asks whether the process exists
         except ProcessLookupError:
-            return theirs.get("host") == socket.gethostname()
+            return True
         except (PermissionError, ValueError):  # it exists under another user, or there is no pid
             pass
         return False
