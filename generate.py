@@ -90,32 +90,18 @@ def waiting_groups(buffer: RolloutBuffer, mine: list) -> int:
     lease says it consumed (a listing: slower on a bucket)."""
     lease = read_json(buffer.storage, "owner.json") or {}
     if "waiting" not in lease or time.time() - lease["heartbeat"] > lease["timeout_s"]:
-        return buffer.count() - lease.get("pending", 0)
+        return len(buffer.listed()) - lease.get("pending", 0)
     return lease["waiting"] + sum(n for t, n in mine if t > lease["waiting_at"])
 
 
-def wait_for_room(buffer: RolloutBuffer, mine: list, max_ready: int, poll_s: float, newer_than=None,
-                  store=None) -> float:
-    """Backpressure: block while max_ready groups wait (lock-step: until none waits and a newer adapter is out).
-    Returns the seconds waited."""
-    t0, storage = time.time(), buffer.storage
-    if newer_than is not None:
-        while (waiting_groups(buffer, mine) > 0 or (store.latest() or 0) <= newer_than) and not storage.exists("DONE"):
-            time.sleep(poll_s)
-    while waiting_groups(buffer, mine) >= max_ready and not storage.exists("DONE"):
-        time.sleep(poll_s)
-    return time.time() - t0
-
-
-def wait_for_adapter(store: AdapterStore, poll_s: float) -> int | None:
-    """The version named by LATEST; None if the run ended first. Waits for the trainer's first publish."""
+def wait_for_first_adapter(store: AdapterStore, poll_s: float):
+    """Wait until the trainer's first publish names a version in LATEST (or the run ended)."""
     t0, said = time.time(), False
-    while (latest := store.latest()) is None and not store.storage.exists("DONE"):
+    while store.latest() is None and not store.storage.exists("DONE"):
         if not said and time.time() - t0 > 10:
             print(f"waiting for the trainer to publish {store.storage.url('adapters/LATEST')} (is train.py running?)", flush=True)
             said = True
         time.sleep(poll_s)
-    return None if store.storage.exists("DONE") else latest
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -141,24 +127,27 @@ def main():
     batch = written = 0
     mine = collections.deque(maxlen=1000)  # (time, groups) of this generator's writes, for backpressure
     skipped = set()  # adapter versions that could not be loaded
-    while not cfg.max_batches or batch < cfg.max_batches:
-        lockstep = engine.version if cfg.lockstep and batch else None
-        backpressure_s = wait_for_room(buffer, mine, cfg.max_ready, poll_s, lockstep, store)
-        latest = wait_for_adapter(store, poll_s)
-        if latest is None:
-            break
-        t0 = time.time()
-        if latest != engine.version and latest not in skipped:
-            path = store.url(latest)
-            if cfg.replica_run_dir:  # the same object, as the replicas see it
-                path = f"{cfg.replica_run_dir.rstrip('/')}/adapters/{store.name(latest)}"
+    wait_for_first_adapter(store, poll_s)
+    idle_since = time.time()
+    while (not cfg.max_batches or batch < cfg.max_batches) and not storage.exists("DONE"):
+        # backpressure: wait while max_ready groups wait (lock-step: until none waits and a newer adapter is out)
+        waiting = waiting_groups(buffer, mine)
+        lockstep = cfg.lockstep and batch and (waiting > 0 or (store.latest() or 0) <= engine.version)
+        if waiting >= cfg.max_ready or lockstep:
+            time.sleep(poll_s)
+            continue
+        backpressure_s, t0 = time.time() - idle_since, time.time()
+        latest = store.latest()
+        if latest is not None and latest != engine.version and latest not in skipped:
+            path = f"{cfg.replica_run_dir.rstrip('/') or storage.url()}/adapters/{store.name(latest)}"
             try:
                 engine.load_adapter(latest, path)
             except (OSError, ValueError, KeyError, SafetensorError) as e:  # incomplete or damaged: keep the old one
                 skipped.add(latest)
                 print(f"generator {gen_id}: cannot load {path} ({type(e).__name__}: {e}); "
                       f"{'staying on version ' + str(engine.version) if engine.version is not None else 'waiting'}", flush=True)
-        if engine.version is None:
+        if engine.version is None:  # no version could be loaded yet: wait for the next one (not backpressure)
+            idle_since = time.time()
             time.sleep(poll_s)
             continue
         sync_s = time.time() - t0
@@ -187,6 +176,7 @@ def main():
                   "adapters_skipped": len(skipped), "time": time.time()}
         metrics.log(record, f"gen {gen_id} batch {batch} | v{version} | reward {record['reward/mean']:.3f} | "
                             f"{record['rollout/generated_tok_s']:.0f} tok/s | backpressure {backpressure_s:.2f}s")
+        idle_since = time.time()
     if hasattr(engine, "close"):
         engine.close()
     print(f"generator {gen_id} stopped after {batch} batches", flush=True)

@@ -44,9 +44,7 @@ def prune_checkpoints(storage):
     """Keep the newest KEEP complete checkpoints (and anything newer, e.g. one being written)."""
     steps = [s for s in storage.list("checkpoints") if NAME.match(s)]
     complete = [s for s in steps if storage.exists(f"checkpoints/{s}/MANIFEST")]
-    for s in steps:
-        if complete[-KEEP:] and s < complete[-KEEP:][0]:
-            storage.delete(f"checkpoints/{s}", recursive=True)
+    storage.delete([f"checkpoints/{s}" for s in steps if complete and s < complete[-KEEP:][0]], recursive=True)
 
 
 def load_checkpoint(storage, model, optimizer) -> tuple[dict | None, list[str]]:
@@ -54,12 +52,11 @@ def load_checkpoint(storage, model, optimizer) -> tuple[dict | None, list[str]]:
     skipped = []
     for s in sorted((s for s in storage.list("checkpoints") if NAME.match(s)), reverse=True):
         key = f"checkpoints/{s}"
-        try:
-            manifest = json.loads(storage.get(f"{key}/MANIFEST"))
-        except FileNotFoundError:
+        if not storage.exists(f"{key}/MANIFEST"):
             skipped.append(f"{s}: incomplete (no MANIFEST)")
             continue
         try:
+            manifest = json.loads(storage.get(f"{key}/MANIFEST"))
             files = {name: storage.get(f"{key}/{name}") for name in manifest}
             bad = [name for name, data in files.items() if sha256(data) != manifest[name]]
             if bad:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load, save
+from torch.nn.utils.rnn import pad_sequence
 
 from minigrpo.run import fault
 
@@ -26,6 +27,8 @@ FORMAT = "minigrpo.group.v1"
 INTS = (torch.int64, torch.int32)
 DTYPES = {"prompt_ids": INTS, "completion_ids": INTS, "completion_lens": INTS, "behavior_logprobs": (torch.float32,),
           "rewards": (torch.float32,), "truncated": (torch.bool,)}
+META = {"policy_version": int, "temperature": float, "adapter_digest": str, "generator_id": str, "started_at": float,
+        "finished_at": float}  # the Group fields kept as string metadata, and how to read each back
 
 
 @dataclass
@@ -50,22 +53,19 @@ class Group:
 
 def to_tensors(group: Group) -> tuple[dict, dict]:
     """(tensors, metadata): completions right-padded to the longest, with their lengths alongside."""
-    G, T = len(group), max(len(c) for c in group.completion_ids)
-    ids, logps = torch.zeros(G, T, dtype=torch.long), torch.zeros(G, T)
-    for i, (c, lp) in enumerate(zip(group.completion_ids, group.behavior_logprobs)):
-        ids[i, :len(c)], logps[i, :len(lp)] = torch.tensor(c, dtype=torch.long), torch.tensor(lp)
-    tensors = {"prompt_ids": torch.tensor(group.prompt_ids, dtype=torch.long), "completion_ids": ids,
+    tensors = {"prompt_ids": torch.tensor(group.prompt_ids, dtype=torch.long),
+               "completion_ids": pad_sequence([torch.tensor(c, dtype=torch.long) for c in group.completion_ids], True),
                "completion_lens": torch.tensor([len(c) for c in group.completion_ids], dtype=torch.long),
-               "behavior_logprobs": logps, "rewards": torch.tensor(group.rewards, dtype=torch.float32),
+               "behavior_logprobs": pad_sequence([torch.tensor(lp) for lp in group.behavior_logprobs], True),
+               "rewards": torch.tensor(group.rewards, dtype=torch.float32),
                "truncated": torch.tensor(group.truncated, dtype=torch.bool)}
-    metadata = {"format": FORMAT, "policy_version": str(group.policy_version), "temperature": repr(group.temperature),
-                "adapter_digest": group.adapter_digest, "generator_id": group.generator_id,
-                "started_at": repr(group.started_at), "finished_at": repr(group.finished_at)}
-    return tensors, metadata
+    return tensors, {"format": FORMAT} | {k: str(getattr(group, k)) for k in META}
 
 
-def from_tensors(tensors: dict, metadata: dict, group_id: str) -> Group:
+def read_group(data: bytes, group_id: str) -> Group:
     """Inverse of to_tensors, validating as it goes: any inconsistency is a ValueError that says what is wrong."""
+    n = struct.unpack("<Q", data[:8])[0]  # safetensors: the header's length in 8 bytes, then the JSON header
+    tensors, metadata = load(data), json.loads(data[8:8 + n]).get("__metadata__") or {}
     if metadata.get("format") != FORMAT:
         raise ValueError(f"format is {metadata.get('format')!r}, expected {FORMAT!r}")
     if missing := DTYPES.keys() - tensors.keys():
@@ -77,8 +77,7 @@ def from_tensors(tensors: dict, metadata: dict, group_id: str) -> Group:
     G = lens.numel()
     if ids.dim() != 2 or ids.shape != logps.shape or ids.shape[0] != G or tensors["rewards"].shape != (G,) \
             or tensors["truncated"].shape != (G,) or tensors["prompt_ids"].dim() != 1:
-        raise ValueError(f"inconsistent shapes: completion_ids {tuple(ids.shape)}, behavior_logprobs "
-                         f"{tuple(logps.shape)}, completion_lens {tuple(lens.shape)}, rewards {tuple(tensors['rewards'].shape)}")
+        raise ValueError(f"inconsistent shapes: { {name: tuple(tensors[name].shape) for name in DTYPES} }")
     if G == 0 or lens.min() < 1 or lens.max() > ids.shape[1]:
         raise ValueError(f"completion lengths {lens.tolist()} do not fit {ids.shape[1]} columns")
     if not torch.isfinite(logps).all() or logps.max() > 1e-4:
@@ -89,16 +88,8 @@ def from_tensors(tensors: dict, metadata: dict, group_id: str) -> Group:
     return Group(prompt_ids=tensors["prompt_ids"].tolist(),
                  completion_ids=[row[:k] for row, k in zip(ids.tolist(), lens)],
                  behavior_logprobs=[row[:k] for row, k in zip(logps.tolist(), lens)],
-                 rewards=tensors["rewards"].tolist(), truncated=tensors["truncated"].tolist(),
-                 policy_version=int(metadata["policy_version"]), temperature=float(metadata["temperature"]),
-                 adapter_digest=metadata.get("adapter_digest", ""), group_id=group_id,
-                 generator_id=metadata.get("generator_id", ""), started_at=float(metadata.get("started_at", 0)),
-                 finished_at=float(metadata.get("finished_at", 0)))
-
-
-def read_group(data: bytes, group_id: str) -> Group:
-    n = struct.unpack("<Q", data[:8])[0]  # safetensors: the header's length in 8 bytes, then the JSON header
-    return from_tensors(load(data), json.loads(data[8:8 + n]).get("__metadata__") or {}, group_id)
+                 rewards=tensors["rewards"].tolist(), truncated=tensors["truncated"].tolist(), group_id=group_id,
+                 **{k: read(metadata[k]) for k, read in META.items() if k in metadata})
 
 
 def group_key(group_id: str) -> str:
@@ -160,17 +151,16 @@ class RolloutBuffer:
         self.storage.put_many({group_key(g.group_id): save(*to_tensors(g)) for g in groups})
         return [g.group_id for g in groups]
 
-    def count(self) -> int:
-        """Objects in rollouts/, consumed or not (the trainer publishes how many of them it consumed)."""
-        return sum(1 for n in self.storage.list("rollouts") if n.endswith(".safetensors"))
+    def listed(self) -> list[str]:
+        """Ids of the groups in rollouts/, consumed or not (the trainer publishes how many of them it consumed)."""
+        return [n.removesuffix(".safetensors") for n in self.storage.list("rollouts") if n.endswith(".safetensors")]
 
     # ---- trainer side ----
     def take(self, n: int, ledger: Ledger, validate=None, stats=None) -> list[Group]:
         """Up to n of the oldest groups the ledger has not seen, each recorded in it. A group that cannot be
         read or validated, for any reason, is quarantined (counted in stats) and the trainer goes on."""
         stats, self.listed_at = {} if stats is None else stats, time.time()
-        seen = [n.removesuffix(".safetensors") for n in self.storage.list("rollouts") if n.endswith(".safetensors")]
-        for gid in sorted(seen, key=lambda i: (int(i.rsplit("-", 1)[-1]), i)):  # new ones: by sequence number
+        for gid in sorted(self.listed(), key=lambda i: (int(i.rsplit("-", 1)[-1]), i)):  # new ones: by sequence number
             if gid not in ledger.skip:
                 self.order.setdefault(gid, None)
         groups = []
@@ -240,4 +230,4 @@ def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_o
 
 
 class AttributionError(ValueError):
-    pass
+    """A group whose adapter digest is not the one of the version it names."""

@@ -6,6 +6,7 @@ records, and the fault points the crash tests use. All of it goes through storag
     RUN/metrics/     train-*.jsonl, generate-<id>-*.jsonl: one JSON record per line, written in segments
     RUN/DONE         written by the trainer at the end; generators exit when they see it
 """
+import contextlib
 import dataclasses
 import json
 import os
@@ -91,11 +92,9 @@ def fault(point: str, step: int):
 def read_json(storage, key: str):
     """A small JSON object, or None if absent; a damaged one is one clear line, not a traceback."""
     try:
-        data = storage.get(key)
+        return json.loads(storage.get(key))
     except FileNotFoundError:
         return None
-    try:
-        return json.loads(data)
     except ValueError as e:
         raise SystemExit(f"{storage.url(key)} is damaged (not valid JSON: {e}). Restore it from a copy, or start "
                          f"a new run with another --run_dir.") from e
@@ -161,13 +160,12 @@ class Lease:
     @staticmethod
     def dead_here(theirs: dict) -> bool:
         """A killed trainer on this same host: its lease can be taken at once (a restart after SIGKILL)."""
-        if theirs.get("host") != socket.gethostname():
-            return False
         try:
-            os.kill(int(theirs.get("pid", 0)), 0)
+            if theirs.get("host") == socket.gethostname():
+                os.kill(int(theirs.get("pid", 0)), 0)  # signal 0 only asks whether the process exists
         except ProcessLookupError:
             return True
-        except (PermissionError, ValueError):
+        except (PermissionError, ValueError):  # it exists under another user, or there is no pid
             pass
         return False
 
@@ -185,11 +183,9 @@ class Lease:
 
     def _beat(self):
         while not self.stop.wait(self.timeout_s / 6):
-            try:
+            with contextlib.suppress(OSError):  # a full disk or a refused bucket: the main thread meets it too
                 self.check()
                 self.write()
-            except OSError:  # a full disk or a refused bucket: the main thread meets it too and says so
-                pass
 
     def release(self):
         self.stop.set()
@@ -216,11 +212,9 @@ class Metrics:
 def read_records(storage, name: str) -> list[dict]:
     """Every record of metrics/<name>*.jsonl in time order. For the trainer, a step that was redone after a
     crash has several records: the last one is the surviving one (latest_per_step)."""
-    out = []
-    for file in storage.list("metrics"):
-        if file.startswith(name) and file.endswith(".jsonl"):
-            out += [json.loads(line) for line in storage.get(f"metrics/{file}").decode().splitlines() if line]
-    return sorted(out, key=lambda r: r.get("time", 0))
+    files = [f for f in storage.list("metrics") if f.startswith(name) and f.endswith(".jsonl")]
+    lines = [line for f in files for line in storage.get(f"metrics/{f}").decode().splitlines() if line]
+    return sorted(map(json.loads, lines), key=lambda r: r.get("time", 0))
 
 
 def latest_per_step(records: list[dict]) -> dict[int, dict]:

@@ -20,6 +20,7 @@ Any failure of the store itself (disk full, permission denied, a bucket's 403 or
 retries) is an OSError whose message names the object; the scripts turn it into one line and exit code 1.
 """
 import contextlib
+import glob
 import os
 import shutil
 import stat
@@ -46,16 +47,21 @@ class Storage:
         path = f"{self.root}/{key}".rstrip("/")
         return path if self.local else self.fs.unstrip_protocol(path)
 
-    def _fail(self, what: str, key: str, e: Exception):
-        """Re-raise as one OSError naming the object (FileNotFoundError stays one, except on a write)."""
-        kind = FileNotFoundError if isinstance(e, FileNotFoundError) and what != "write" else OSError
-        raise kind(getattr(e, "errno", None), f"cannot {what} {self.url(key)}: {type(e).__name__}: {e}") from e
+    @contextlib.contextmanager
+    def _naming(self, what: str, key: str):
+        """Any failure of the store becomes one OSError naming the object (FileNotFoundError stays one, except on
+        a write)."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - whatever the backend raises
+            kind = FileNotFoundError if isinstance(e, FileNotFoundError) and what != "write" else OSError
+            raise kind(getattr(e, "errno", None), f"cannot {what} {self.url(key)}: {type(e).__name__}: {e}") from e
 
     def put(self, key: str, data: bytes | str):
         """Write one whole object; readers see the old one or the new one, never half."""
         data = data.encode() if isinstance(data, str) else data
         path = f"{self.root}/{key}"
-        try:
+        with self._naming("write", key):
             if not self.local:
                 return self.fs.pipe_file(path, data)
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -69,8 +75,6 @@ class Storage:
             finally:
                 if os.path.exists(tmp):
                     os.remove(tmp)
-        except Exception as e:  # noqa: BLE001 - every backend error becomes one OSError naming the object
-            self._fail("write", key, e)
 
     def put_many(self, objects: "dict[str, bytes]"):
         """put() of several objects, concurrently on a bucket."""
@@ -78,27 +82,20 @@ class Storage:
             for key, data in objects.items():
                 self.put(key, data)
             return
-        try:
+        with self._naming("write", next(iter(objects))):
             self.fs.pipe({f"{self.root}/{k}": v for k, v in objects.items()})
-        except Exception as e:  # noqa: BLE001
-            self._fail("write", next(iter(objects)), e)
 
     def get(self, key: str) -> bytes:
         """Read one whole object. FileNotFoundError if absent; ValueError for a local entry that is not a
         regular file (a symlink, FIFO or device: never followed, never opened for reading)."""
         path = f"{self.root}/{key}"
-        try:
+        with self._naming("read", key):
             if not self.local:
                 return self.fs.cat_file(path)
-            if not stat.S_ISREG(os.lstat(path).st_mode):
-                raise ValueError(f"{path} is not a regular file (a symlink, FIFO or device); refusing to read it")
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            with os.fdopen(fd, "rb") as f:
-                return f.read()
-        except ValueError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            self._fail("read", key, e)
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
+                    return f.read()
+        raise ValueError(f"{path} is not a regular file (a symlink, FIFO or device); refusing to read it")
 
     def get_many(self, keys: "list[str]") -> list:
         """get() of several objects, concurrently on a bucket (one round trip's latency, not one per object).
@@ -112,27 +109,22 @@ class Storage:
                     out.append(e)
             return out
         paths = [f"{self.root}/{k}" for k in keys]
-        try:
+        with self._naming("read", keys[0]):
             found = self.fs.cat(paths, on_error="return")
-        except Exception as e:  # noqa: BLE001
-            self._fail("read", keys[0], e)
         return [found.get(p, FileNotFoundError(p)) for p in paths]
 
     def exists(self, key: str) -> bool:
-        try:
+        with self._naming("look up", key):
             return os.path.exists(f"{self.root}/{key}") if self.local else self.fs.exists(f"{self.root}/{key}")
-        except Exception as e:  # noqa: BLE001
-            self._fail("look up", key, e)
 
     def list(self, prefix: str) -> list[str]:
         """Sorted names directly under a prefix (objects and sub-prefixes; local temp files left out)."""
-        try:  # a local listing through os is ten times cheaper than through fsspec
-            path = f"{self.root}/{prefix}".rstrip("/")
-            entries = os.listdir(path) if self.local else self.fs.ls(path, detail=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        except Exception as e:  # noqa: BLE001
-            self._fail("list", prefix, e)
+        path = f"{self.root}/{prefix}".rstrip("/")
+        with self._naming("list", prefix):
+            try:  # a local listing through os is ten times cheaper than through fsspec
+                entries = os.listdir(path) if self.local else self.fs.ls(path, detail=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
         names = (e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
         return sorted(n for n in names if not (self.local and n.startswith(".")))
 
@@ -140,30 +132,22 @@ class Storage:
         """Delete an object, a list of them (one bulk request on a bucket), or with recursive everything under
         a prefix. Deleting what is gone is not an error."""
         keys = [key] if isinstance(key, str) else key
-        try:
-            if self.local:  # one by one: a missing file must not stop the rest
-                for path in (f"{self.root}/{k}" for k in keys):
-                    with contextlib.suppress(FileNotFoundError):
-                        shutil.rmtree(path) if recursive and os.path.isdir(path) else os.remove(path)
-            elif keys:
+        if self.local:  # one by one: a missing file must not stop the rest
+            for k in keys:
+                with self._naming("delete", k), contextlib.suppress(FileNotFoundError):
+                    path = f"{self.root}/{k}"
+                    shutil.rmtree(path) if recursive and os.path.isdir(path) else os.remove(path)
+        elif keys:
+            with self._naming("delete", keys[0]), contextlib.suppress(FileNotFoundError):
                 self.fs.rm([f"{self.root}/{k}" for k in keys], recursive=recursive)
-        except FileNotFoundError:
-            pass
-        except Exception as e:  # noqa: BLE001
-            self._fail("delete", keys[0], e)
 
     def sweep_temps(self, prefix: str, max_age_s: float = 300.0):
         """Local disks only: remove temp files older than max_age_s that a killed writer left behind."""
         folder = f"{self.root}/{prefix}"
-        if not self.local or not os.path.isdir(folder):
-            return
-        for name in os.listdir(folder):
-            path = os.path.join(folder, name)
-            try:
-                if name.startswith(".") and name.endswith(".tmp") and time.time() - os.lstat(path).st_mtime > max_age_s:
-                    os.remove(path)
-            except FileNotFoundError:  # another process got there first
-                pass
+        for name in (glob.glob(".*.tmp", root_dir=folder) if self.local else []):
+            with contextlib.suppress(FileNotFoundError):  # another process got there first
+                if time.time() - os.lstat(f"{folder}/{name}").st_mtime > max_age_s:
+                    os.remove(f"{folder}/{name}")
 
 
 def read_bytes(path: str) -> bytes:

@@ -174,7 +174,7 @@ def test_generator_skips_an_adapter_without_weights_and_keeps_the_last_good_one(
     store = publish_v0(run_dir)
     gen = py("generate.py", "--run_dir", run_dir, "--generator_id", "g0", "--max_ready", "100000", "--max_batches", "60", log=log)
     buffer = RolloutBuffer(store.storage)
-    while buffer.count() == 0:
+    while not buffer.listed():
         assert gen.poll() is None, open(log).read()
         time.sleep(0.05)
     store.storage.put(f"adapters/{store.name(1)}/adapter_config.json",
