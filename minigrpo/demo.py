@@ -52,16 +52,13 @@ def accuracy(model, tokenizer, task, problems, seed=0) -> float:
 
 
 def supervised_batch(tokenizer, task, rng, size):
-    """Prompt + answer + EOS, with the loss on the answer and EOS only."""
+    """Prompt + answer + EOS, right-padded, with the loss on the answer and EOS only (one token per character)."""
     rows = [task.sample(rng) for _ in range(size)]
     seqs = [tokenizer(p.prompt + p.answer)["input_ids"] + [tokenizer.eos_token_id] for p in rows]
     L = max(map(len, seqs))
-    ids = torch.full((size, L), tokenizer.pad_token_id)
-    labels = torch.full((size, L), -100)
-    for i, (p, s) in enumerate(zip(rows, seqs)):
-        ids[i, :len(s)] = torch.tensor(s)
-        start = len(tokenizer(p.prompt)["input_ids"])
-        labels[i, start:len(s)] = torch.tensor(s[start:])
+    pad = lambda seq, fill: seq + [fill] * (L - len(seq))  # noqa: E731
+    ids = torch.tensor([pad(s, tokenizer.pad_token_id) for s in seqs])
+    labels = torch.tensor([pad([-100] * len(p.prompt) + s[len(p.prompt):], -100) for p, s in zip(rows, seqs)])
     return ids, labels
 
 
