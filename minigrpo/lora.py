@@ -12,13 +12,12 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 
 import torch
 import torch.nn as nn
 from safetensors.torch import load, save
 
-from minigrpo.storage import read_bytes
+from minigrpo.storage import Storage, read_bytes
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
@@ -142,11 +141,8 @@ def adapter_files(state: dict[str, torch.Tensor], config: dict) -> dict[str, byt
 
 
 def save_adapter(path: str, state: dict[str, torch.Tensor], config: dict):
-    """Write a PEFT adapter directory on a local disk (the run directory's adapters go through storage.py)."""
-    os.makedirs(path, exist_ok=True)
-    for name, data in adapter_files(state, config).items():
-        with open(os.path.join(path, name), "wb") as f:
-            f.write(data)
+    """Write a PEFT adapter directory to a local path or a storage URL (a run's adapters: adapters.py)."""
+    Storage(str(path)).put_many(adapter_files(state, config))
 
 
 def adapter_digest(weights: bytes) -> str:
