@@ -50,9 +50,7 @@ def inject_lora(model: nn.Module, r: int, alpha: float, targets=DEFAULT_TARGETS,
     if not names:
         raise ValueError(f"no nn.Linear named any of {list(targets)} in {type(model).__name__}")
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRALinear(getattr(parent, child), r, alpha, use_rslora))
+        model.set_submodule(name, LoRALinear(model.get_submodule(name), r, alpha, use_rslora))
     for n, p in model.named_parameters():
         p.requires_grad = ".lora_" in n
     return names
