@@ -135,8 +135,8 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float, posi
     input_ids: (B, L), right-padded with attention_mask (B, L); or packed sequences, one after another in a row,
     with attention_mask None and position_ids (B, L) restarting at 0 where each sequence starts (load_model's
     attention runs each sequence alone; transformers' own masks attention between them). Returns logp (B, L-1)
-    with gradient, entropy (B, L-1) without. Position t-1 predicts token t, hence the shift by one. The output head must be a frozen bias-free nn.Linear (Qwen,
-    Llama, Mistral and most causal LMs; LoRA trains only the adapter).
+    with gradient, entropy (B, L-1) without. Position t-1 predicts token t, hence the shift by one. The output
+    head must be a frozen bias-free nn.Linear (Qwen, Llama, Mistral and most causal LMs; LoRA leaves it frozen).
     """
     head = model.get_output_embeddings()
     trained = head.weight.requires_grad and torch.is_grad_enabled()
