@@ -23,14 +23,13 @@ from minigrpo.model import DEMO_MODEL
 from minigrpo.tasks import ReverseAddition, score
 
 CHARS = "0123456789+="
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def build_tokenizer() -> Qwen2Tokenizer:
     """<|endoftext|> (id 0) is EOS and padding, as in Qwen base models; no BOS. The chat template only joins the
     messages' contents, so a templated prompt is the plain prompt: [{"role": "user", "content": "12+34="}] -> "12+34="."""
     tokenizer = Qwen2Tokenizer(vocab={"<|endoftext|>": 0} | {c: i + 1 for i, c in enumerate(CHARS)}, merges=[])
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     return tokenizer
 
 
@@ -52,16 +51,13 @@ def accuracy(model, tokenizer, task, problems, seed=0) -> float:
 
 
 def supervised_batch(tokenizer, task, rng, size):
-    """Prompt + answer + EOS, with the loss on the answer and EOS only."""
+    """Prompt + answer + EOS, right-padded, with the loss on the answer and EOS only (one token per character)."""
     rows = [task.sample(rng) for _ in range(size)]
     seqs = [tokenizer(p.prompt + p.answer)["input_ids"] + [tokenizer.eos_token_id] for p in rows]
     L = max(map(len, seqs))
-    ids = torch.full((size, L), tokenizer.pad_token_id)
-    labels = torch.full((size, L), -100)
-    for i, (p, s) in enumerate(zip(rows, seqs)):
-        ids[i, :len(s)] = torch.tensor(s)
-        start = len(tokenizer(p.prompt)["input_ids"])
-        labels[i, start:len(s)] = torch.tensor(s[start:])
+    pad = lambda seq, fill: seq + [fill] * (L - len(seq))  # noqa: E731
+    ids = torch.tensor([pad(s, tokenizer.pad_token_id) for s in seqs])
+    labels = torch.tensor([pad([-100] * len(p.prompt) + s[len(p.prompt):], -100) for p, s in zip(rows, seqs)])
     return ids, labels
 
 
@@ -98,10 +94,7 @@ def main():
                 raise SystemExit(f"jumped past the band at step {step}; try a smaller --lr or another --seed")
     else:
         raise SystemExit(f"did not reach the band {args.band} in {args.max_steps} steps")
-    model.eval()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(args.out)
+    model.save_pretrained(args.out)  # its generation_config takes EOS and padding from the model config
     tokenizer.save_pretrained(args.out)
     print(f"saved to {args.out}: held-out pass@1 {final:.3f} at temperature 1 (step {step})")
 

@@ -51,6 +51,11 @@ class Completion:
     adapter_digest: str = ""  # lora.adapter_digest of the weights that sampled it; "" for the base model
 
 
+def per_row(rows, field: str, device, dtype=torch.float32) -> torch.Tensor:
+    """(B,) the sampling parameter `field` of each row."""
+    return torch.tensor([getattr(sp, field) for _, sp, _ in rows], dtype=dtype, device=device)
+
+
 def nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-p: keep the smallest set of tokens whose probability reaches top_p, renormalised. logp (B, V), top_p (B,)."""
     sorted_lp, order = logp.sort(-1, descending=True)  # (B, V)
@@ -76,7 +81,7 @@ class LogitProcessors:
     as vllm/model_executor/layers/utils.py (apply_penalties) and vllm/v1/sample/logits_processor/builtin.py do."""
 
     def __init__(self, rows, stops: torch.Tensor, V: int, device):
-        B, col = len(rows), lambda f: torch.tensor([f(sp) for _, sp, _ in rows], device=device)
+        B = len(rows)
         self.bias = self.min_tokens = self.penalties = None
         if any(sp.logit_bias for _, sp, _ in rows):
             self.bias = torch.zeros(B, V, device=device)
@@ -84,10 +89,10 @@ class LogitProcessors:
                 for t, b in (sp.logit_bias or {}).items():
                     self.bias[r, t] = b
         if any(sp.min_tokens for _, sp, _ in rows):
-            self.min_tokens = col(lambda sp: sp.min_tokens)  # (B,)
+            self.min_tokens = per_row(rows, "min_tokens", device)  # (B,)
             self.ban = torch.zeros(B, V, device=device).scatter_add(1, stops.clamp(min=0), (stops >= 0).float()) > 0
         if any((sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty) != (1, 0, 0) for _, sp, _ in rows):
-            self.penalties = [col(lambda sp: float(getattr(sp, k)))[:, None] for k in
+            self.penalties = [per_row(rows, k, device)[:, None] for k in
                               ("repetition_penalty", "frequency_penalty", "presence_penalty")]  # 3 x (B, 1)
             self.in_prompt = torch.zeros(B, V, dtype=torch.bool, device=device)
             for r, (p, _, _) in enumerate(rows):
@@ -143,17 +148,13 @@ class TorchEngine:
         """Sample params.n completions for each prompt (token ids), all in one batch; params may differ per prompt."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         rows = [(p, sp, i) for p, sp in zip(prompts, params) for i in range(sp.n)]  # prompt-major, as vLLM orders
-        B, L = len(rows), max(len(p) for p, _, _ in rows)
-        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for r, (p, _, _) in enumerate(rows):  # left-pad so every row's next token sits in the last column
-            ids[r, L - len(p):], mask[r, L - len(p):] = torch.tensor(p), 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        B, L = len(rows), max(len(p) for p, _, _ in rows)  # left-pad: every row's next token is in the last column
+        ids = torch.tensor([[self.pad_id] * (L - len(p)) + list(p) for p, _, _ in rows], device=self.device)  # (B, L)
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p, _, _ in rows], device=self.device)  # (B, L)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L) positions ignore the padding
-        col = lambda f, dtype=torch.float32: torch.tensor([f(sp) for _, sp, _ in rows], dtype=dtype, device=self.device)
-        temp, top_p, limit = col(lambda sp: sp.temperature), col(lambda sp: sp.top_p), col(lambda sp: sp.max_tokens, torch.long)
-        greedy, temp, use_top_p = temp == 0, temp.clamp(min=1e-6), bool((top_p < 1).any())  # sorting V costs
-        min_p = col(lambda sp: sp.min_p) if any(sp.min_p for _, sp, _ in rows) else None
+        temp, top_p, min_p = (per_row(rows, k, self.device) for k in ("temperature", "top_p", "min_p"))
+        greedy, temp, limit = temp == 0, temp.clamp(min=1e-6), per_row(rows, "max_tokens", self.device, torch.long)
+        use_min_p, use_top_p = bool((min_p > 0).any()), bool((top_p < 1).any())  # each a pass over V; top_p sorts
         stops = [list(sp.stop_token_ids) + ([] if sp.ignore_eos else self.stop_ids) for _, sp, _ in rows]
         stops = torch.tensor([s + [-1] * (max(map(len, stops)) - len(s)) for s in stops], dtype=torch.long,
                              device=self.device)  # (B, S)
@@ -170,7 +171,7 @@ class TorchEngine:
         tokens, logps, alive, tops = [], [], [], []
         for t in range(int(limit.max())):
             logp_all = torch.log_softmax(process(logits, t) / temp[:, None], -1)  # (B, V) what is sampled from
-            if min_p is not None:
+            if use_min_p:
                 logp_all = min_p_filter(logp_all, min_p)
             if use_top_p:
                 logp_all = nucleus(logp_all, top_p)
@@ -202,10 +203,8 @@ class TorchEngine:
             reason = texts.reason.get(r, last if stopped[r] and last in sp.stop_token_ids else None)
             out.append(Completion(tokens[r][:n], logps[r][:n], "stop" if stopped[r] else "length", top, reason,
                                   texts.text.get(r), self.digest))
-        starts = [0]
-        for sp in params:
-            starts.append(starts[-1] + sp.n)
-        return [out[a:b] for a, b in zip(starts, starts[1:])]
+        completions = iter(out)
+        return [[next(completions) for _ in range(sp.n)] for sp in params]
 
 
 class StopStrings:

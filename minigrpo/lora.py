@@ -12,13 +12,12 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 
 import torch
 import torch.nn as nn
 from safetensors.torch import load, save
 
-from minigrpo.storage import read_bytes
+from minigrpo.storage import Storage, read_bytes
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
@@ -29,8 +28,7 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, use_rslora: bool = False):
         super().__init__()
-        self.base, self.r, self.alpha, self.use_rslora = base, r, alpha, use_rslora
-        self.scaling = lora_scaling(r, alpha, use_rslora)
+        self.base, self.r, self.scaling = base, r, lora_scaling(r, alpha, use_rslora)
         # LoRA weights live in float32 whatever the base dtype: the update is tiny and must not round away
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=base.weight.device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=base.weight.device))
@@ -52,9 +50,7 @@ def inject_lora(model: nn.Module, r: int, alpha: float, targets=DEFAULT_TARGETS,
     if not names:
         raise ValueError(f"no nn.Linear named any of {list(targets)} in {type(model).__name__}")
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRALinear(getattr(parent, child), r, alpha, use_rslora))
+        model.set_submodule(name, LoRALinear(model.get_submodule(name), r, alpha, use_rslora))
     for n, p in model.named_parameters():
         p.requires_grad = ".lora_" in n
     return names
@@ -67,49 +63,37 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
 @contextlib.contextmanager
 def lora_disabled(model: nn.Module):
     """Run the model as its frozen base, e.g. for a reference-policy pass: scaling 0 switches B A off."""
-    layers = list(lora_layers(model).values())
-    saved = [layer.scaling for layer in layers]
-    for layer in layers:
+    saved = {layer: layer.scaling for layer in lora_layers(model).values()}
+    for layer in saved:
         layer.scaling = 0.0
     try:
         yield
     finally:
-        for layer, scaling in zip(layers, saved):
+        for layer, scaling in saved.items():
             layer.scaling = scaling
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter alone, under PEFT's tensor names."""
-    state = {}
-    for name, layer in lora_layers(model).items():
-        state[f"{PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.detach()
-        state[f"{PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B.detach()
-    return state
+    return {f"{PEFT_PREFIX}{name}.lora_{ab}.weight": getattr(layer, f"lora_{ab}").detach()
+            for name, layer in lora_layers(model).items() for ab in "AB"}
 
 
 def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]):
-    """Copy an adapter into the model's LoRA layers; every layer must be covered and every shape must match."""
-    layers = lora_layers(model)
-    expected = {f"{PEFT_PREFIX}{n}.lora_{ab}.weight" for n in layers for ab in "AB"}
-    missing, unexpected = expected - state.keys(), state.keys() - expected
-    if missing or unexpected:
-        raise ValueError(f"adapter does not fit the model: missing {sorted(missing)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]}")
-    with torch.no_grad():
-        for name, layer in layers.items():
-            for ab in "AB":
-                param, value = getattr(layer, f"lora_{ab}"), state[f"{PEFT_PREFIX}{name}.lora_{ab}.weight"]
-                if param.shape != value.shape:
-                    raise ValueError(f"{name}.lora_{ab}: adapter has shape {tuple(value.shape)}, "
-                                     f"model expects {tuple(param.shape)}")
-                param.copy_(value)
+    """Copy an adapter of the layers' own rank and scaling into them; every layer must be covered."""
+    missing = sorted(lora_state_dict(model).keys() - state.keys())
+    if missing:
+        raise ValueError(f"adapter does not fit the model: missing {missing[:3]}")
+    layer = next(iter(lora_layers(model).values()))
+    check_adapter(model, state, layer.r)
+    apply_adapter(model, state, layer.r, layer.scaling)
 
 
 def check_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int):
     """Raise ValueError unless every tensor belongs to a LoRA layer of the model, has the shape of rank r <= the
     layer's, and is finite. Nothing is written: a refused adapter leaves the served weights as they were."""
     layers = lora_layers(model)
-    unknown = sorted(state.keys() - {f"{PEFT_PREFIX}{n}.lora_{ab}.weight" for n in layers for ab in "AB"})
+    unknown = sorted(state.keys() - lora_state_dict(model).keys())
     if unknown:
         targets = sorted({n.rsplit(".", 1)[-1] for n in layers})
         raise ValueError(f"expected target modules in {targets} but received {unknown[:3]}. "
@@ -127,9 +111,8 @@ def check_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int):
 
 
 def apply_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int, scaling: float):
-    """Serve an adapter of rank r <= the layers' rank: zero-padded into A and B and scaled by its own scaling.
-    Layers the adapter does not cover are switched off. Checked whole before the first layer is written."""
-    check_adapter(model, state, r)
+    """Write an adapter of rank r <= the layers' rank that check_adapter passed: zero-padded into A and B and
+    scaled by its own scaling. Layers the adapter does not cover are switched off."""
     with torch.no_grad():
         for name, layer in lora_layers(model).items():
             A, B = (state.get(f"{PEFT_PREFIX}{name}.lora_{ab}.weight") for ab in "AB")
@@ -156,11 +139,8 @@ def adapter_files(state: dict[str, torch.Tensor], config: dict) -> dict[str, byt
 
 
 def save_adapter(path: str, state: dict[str, torch.Tensor], config: dict):
-    """Write a PEFT adapter directory on a local disk (the run directory's adapters go through storage.py)."""
-    os.makedirs(path, exist_ok=True)
-    for name, data in adapter_files(state, config).items():
-        with open(os.path.join(path, name), "wb") as f:
-            f.write(data)
+    """Write a PEFT adapter directory to a local path or a storage URL (a run's adapters: adapters.py)."""
+    Storage(str(path)).put_many(adapter_files(state, config))
 
 
 def adapter_digest(weights: bytes) -> str:

@@ -57,7 +57,7 @@ def pick_device(device: str = "auto") -> torch.device:
         return torch.device(device)
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+    if torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
 
@@ -68,9 +68,7 @@ def load_model(name: str, device: torch.device, dtype: str = "float32"):
     hf_logging.disable_progress_bar()  # one clean log line per step, no bars
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=PACKED_SDPA)
-    model = model.to(device).eval()
-    for p in model.parameters():
-        p.requires_grad = False
+    model.to(device).eval().requires_grad_(False)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
@@ -87,10 +85,9 @@ def enable_checkpointing(model):
 
 def stop_token_ids(model, tokenizer) -> list[int]:
     """EOS ids from both the tokenizer and generation_config (instruct models often list several)."""
-    ids = {tokenizer.eos_token_id}
     eos = getattr(model.generation_config, "eos_token_id", None)
-    ids |= set(eos) if isinstance(eos, list) else {eos}
-    return sorted(i for i in ids if i is not None)
+    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
+    return sorted(ids - {None})
 
 
 CHUNK_LOGITS = 2**23  # logits computed at once by the output head: 32 MiB in float32
@@ -137,9 +134,9 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float, posi
 
     input_ids: (B, L), right-padded with attention_mask (B, L); or packed sequences, one after another in a row,
     with attention_mask None and position_ids (B, L) restarting at 0 where each sequence starts (load_model's
-    attention runs each sequence alone; transformers' own masks attention between them). Returns logp (B, L-1) with gradient, entropy (B, L-1) without. Position
-    t-1 predicts token t, hence the shift by one. The output head must be a frozen bias-free nn.Linear (Qwen,
-    Llama, Mistral and most causal LMs; LoRA trains only the adapter).
+    attention runs each sequence alone; transformers' own masks attention between them). Returns logp (B, L-1)
+    with gradient, entropy (B, L-1) without. Position t-1 predicts token t, hence the shift by one. The output
+    head must be a frozen bias-free nn.Linear (Qwen, Llama, Mistral and most causal LMs; LoRA leaves it frozen).
     """
     head = model.get_output_embeddings()
     trained = head.weight.requires_grad and torch.is_grad_enabled()

@@ -28,8 +28,6 @@ class Problem:
 
 
 class ReverseAddition:
-    name = "reverse_add"
-
     def __init__(self):
         pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
         random.Random(0).shuffle(pairs)  # a random split: every digit combination appears on both sides
@@ -115,8 +113,6 @@ def math_reward(completion: str, answer: str, reasoning: bool = False) -> float:
 
 
 class MathTask:
-    name = "math"
-
     def __init__(self, data: str, fields: str = "problem,answer", reasoning: bool = False, eval_fraction: float = 0.05):
         if not data:
             raise ValueError("--task math needs --task_data: a .jsonl or .parquet file, or hf://datasets/OWNER/NAME/FILE")
