@@ -32,7 +32,7 @@ LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 HEALTH, PING, VERSION = "/health", "/ping", "/version"
 PAUSE, RESUME, IS_PAUSED, RESET_PREFIX_CACHE = "/pause", "/resume", "/is_paused", "/reset_prefix_cache"
 SERVER_INFO, WORLD_SIZE = "/server_info", "/get_world_size"
-EVERY_REPLICA = (PAUSE, RESUME, RESET_PREFIX_CACHE)  # a proxy sends these to all replicas
+EVERY_REPLICA = (UNLOAD, PAUSE, RESUME, RESET_PREFIX_CACHE)  # a proxy sends these to all replicas
 
 ADAPTER_HEADER, DIGEST_HEADER = "X-Adapter-Name", "X-Adapter-Digest"
 NO_ADAPTER, LOADED = "No adapter found", "has already been loaded"

@@ -41,7 +41,7 @@ class HttpEngine:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
         self.inflight = asyncio.Semaphore(max_inflight)
-        self.session, self.version, self.path, self.loaded = None, None, None, []  # loaded: (version, name)
+        self.session, self.version, self.path, self.loaded = None, None, None, {}  # loaded: version -> name
 
     async def _call(self, method: str, path: str, body=None) -> tuple[int, str, dict | None]:
         """(status, text, json or None), retrying transport errors and 5xx with backoff 0.5, 1, 2, ... 8 s."""
@@ -90,10 +90,9 @@ class HttpEngine:
     def load_adapter(self, version: int, path: str):
         async def load():
             await self._load(path)
-            self.loaded.append((version, adapter_name(path)))
-            for old in [v for v in self.loaded if v[0] <= version - self.keep]:  # left the staleness window
-                await self._call("POST", P.UNLOAD, {"lora_name": old[1]})  # 404: fine
-                self.loaded.remove(old)
+            self.loaded[version] = adapter_name(path)
+            for old in [v for v in self.loaded if v <= version - self.keep]:  # left the staleness window
+                await self._call("POST", P.UNLOAD, {"lora_name": self.loaded.pop(old)})  # 404: fine
         self.loop.run_until_complete(load())
         self.version, self.path = version, path
 
@@ -104,12 +103,10 @@ class HttpEngine:
         if sp.seed is not None:  # without one, the server samples from its own generator
             body["seed"] = sp.seed
         async with self.inflight:
-            for _ in range(2):
+            status, text, data = await self._call("POST", P.COMPLETIONS, body)
+            if status == 404 and "does not exist" in text:  # a replica restarted and forgot the adapter
+                await self._load(self.path)
                 status, text, data = await self._call("POST", P.COMPLETIONS, body)
-                if status == 404 and "does not exist" in text:  # a replica restarted and forgot the adapter
-                    await self._load(self.path)
-                    continue
-                break
         if status != 200 or data is None:
             raise ServerError(f"{self.url}/v1/completions answered {status}: {text[:300]}")
         choices = sorted(data["choices"], key=lambda c: c["index"])
