@@ -143,8 +143,9 @@ class Proxy:
             loaded = [i for i, a in enumerate(answers) if a.status == 200]
             already = [i for i, a in enumerate(answers) if a.status == 400 and P.LOADED in a.text]
             bad = [i for i in range(len(answers)) if i not in loaded and i not in already]
-            other_weights = not bad and any(root != path for root in await asyncio.gather(
-                *(self.root(i, request, name) for i in already)))
+            ask = [self.send(i, request, None, P.MODELS, "GET") for i in already] if not bad else []
+            models = await asyncio.gather(*ask)
+            other_weights = any(P.root_of(m.body, name) != path for m in models)  # the name, but not these weights
             if not bad and not other_weights:  # everywhere now; if every replica had it, say so as one server would
                 return self.reply(answers[loaded[0]] if loaded else answers[0])
             for i in loaded:  # all or nothing: take it back where it went in
@@ -154,17 +155,8 @@ class Proxy:
         status = 504 if P.NO_ADAPTER in answers[bad[0]].text else None  # the directory never appeared
         return self.failure(f"failed to load {name}; rolled back on the others.", answers, bad, status)
 
-    async def root(self, i: int, request: web.Request, name: str) -> str | None:
-        """The path replica i serves adapter `name` from, per its /v1/models."""
-        a = await self.send(i, request, None, path=P.MODELS, method="GET")
-        try:
-            return next((m.get("root") for m in json.loads(a.body)["data"] if m.get("id") == name), None)
-        except (ValueError, KeyError, TypeError):
-            return None
-
     async def everywhere(self, request: web.Request):
-        """/health, /ping, unload, /pause, /resume, /reset_prefix_cache: sent to every replica and answered as one
-        server would answer, or with the first failure. An unload is a 404 only when no replica knew the name."""
+        """Sent to every replica; answered as one server would answer, or with the first failure."""
         body = await P.read_body(request, self.cfg.body_timeout_s)
         answers = await asyncio.gather(*(self.send(i, request, body) for i in range(len(self.upstreams))))
         fine = (200, 404) if request.path == P.UNLOAD else (200,)

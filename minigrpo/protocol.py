@@ -74,6 +74,14 @@ def error(status: int, message: str, kind: str = "BadRequestError", param: str |
     return json_response({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
+def root_of(models: bytes | str, name: str) -> str | None:
+    """The path a /v1/models answer says adapter `name` is served from (None: no such name, or no such answer)."""
+    try:
+        return next((m.get("root") for m in json.loads(models)["data"] if m.get("id") == name), None)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def parse_json(raw: bytes) -> dict:
     """A request body as a dict, or BadRequest. NaN and Infinity parse as floats, for the field checks to name."""
     try:

@@ -80,8 +80,7 @@ class HttpEngine:
         name, path = adapter_name(path), absolute(path)
         status, text, _ = await self._call("POST", P.LOAD, {"lora_name": name, "lora_path": path})
         if status == 400 and P.LOADED in text:  # another generator was first, or the name holds other weights
-            _, _, models = await self._call("GET", P.MODELS)
-            there = next((m.get("root") for m in (models or {}).get("data", []) if m.get("id") == name), None)
+            there = P.root_of((await self._call("GET", P.MODELS))[1], name)
             if there != path:
                 raise ServerError(f"{self.url} already serves {name} from {there}, not from {path}")
         elif status != 200:
@@ -99,9 +98,8 @@ class HttpEngine:
     async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
         body = {"model": adapter_name(self.path), "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens,
                 "temperature": sp.temperature, "top_p": sp.top_p, "top_k": 0, "logprobs": 0,
-                "stop_token_ids": list(sp.stop_token_ids), "return_token_ids": True}
-        if sp.seed is not None:  # without one, the server samples from its own generator
-            body["seed"] = sp.seed
+                "stop_token_ids": list(sp.stop_token_ids), "return_token_ids": True,
+                "seed": sp.seed}  # None (null): the server samples from its own generator
         async with self.inflight:
             status, text, data = await self._call("POST", P.COMPLETIONS, body)
             if status == 404 and "does not exist" in text:  # a replica restarted and forgot the adapter

@@ -51,7 +51,6 @@ OFF = {"stream": (None, False), "echo": (None, False), "prompt_logprobs": (None,
 @dataclass
 class ServeConfig:
     model: str = field(default="demo", metadata={"help": "base model: 'demo', a local folder or a hub id"})
-    served_model_name: str = field(default="", metadata={"help": "the base model's name in the API (default: --model)"})
     host: str = field(default="127.0.0.1", metadata={"help": "bind address (loopback unless told otherwise)"})
     port: int = field(default=8000, metadata={"help": "port"})
     api_key: str = field(default="", metadata={"help": "require 'Authorization: Bearer KEY' on /v1 routes, as vLLM"})
@@ -95,7 +94,7 @@ class Server:
     def __init__(self, cfg: ServeConfig):
         if cfg.max_lora_rank not in MAX_LORA_RANKS:
             raise SystemExit(f"--max_lora_rank must be one of {MAX_LORA_RANKS}, got {cfg.max_lora_rank}")
-        self.cfg, self.name = cfg, cfg.served_model_name or cfg.model
+        self.cfg, self.name = cfg, cfg.model
         self.model, self.tokenizer = load_model(cfg.model, pick_device(cfg.device), cfg.dtype)
         inject_lora(self.model, cfg.max_lora_rank, cfg.max_lora_rank, DEFAULT_TARGETS)  # served at rank <= max
         self.targets = sorted({n.rsplit(".", 1)[-1] for n in lora_layers(self.model)})
