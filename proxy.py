@@ -179,14 +179,12 @@ def make_app(proxy: Proxy, api_key: str) -> web.Application:
     app = web.Application(middlewares=[P.guard(api_key)], client_max_size=proxy.cfg.max_body_mb * 2**20)
     app.add_routes([web.post(P.COMPLETIONS, proxy.completions), web.post(P.CHAT, proxy.completions),
                     web.post(P.LOAD, proxy.load_lora), *[web.post(p, proxy.everywhere) for p in P.EVERY_REPLICA],
-                    web.get(P.HEALTH, proxy.everywhere), web.get(P.PING, proxy.everywhere),
-                    web.get("/proxy/stats", proxy.stats),
+                    *[web.get(p, proxy.everywhere) for p in (P.HEALTH, P.PING)], web.get("/proxy/stats", proxy.stats),
                     web.route("*", "/{tail:.*}", proxy.forward)])
 
     async def session(app):
         timeout = aiohttp.ClientTimeout(total=proxy.cfg.request_timeout_s, sock_connect=10)
-        proxy.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024),
-                                              auto_decompress=True)
+        proxy.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
         yield
         await proxy.session.close()
     app.cleanup_ctx.append(session)

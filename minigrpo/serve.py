@@ -74,7 +74,7 @@ def checked(body: dict, key: str, default, ok, rule: str):
     v = body.get(key)
     v = default if v is None else v
     if not ok(v):
-        raise P.BadRequest(f"{key} must {rule}, got {v!r}", key)
+        raise P.BadRequest(f"{key} must {rule}, got {v!r:.200}", key)
     return v
 
 
