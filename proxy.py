@@ -92,37 +92,30 @@ class Proxy:
                 return Answer(r.status, await r.read(), P.forwardable(r.headers))
         except asyncio.TimeoutError:
             return Answer(504, f"proxy: {self.upstreams[i]}: timed out after {self.cfg.request_timeout_s:.0f}s".encode(), {})
-        except aiohttp.ClientConnectorError as e:
-            return Answer(502, f"proxy: {self.upstreams[i]}: {type(e).__name__}: {e}".encode(), {}, unreachable=True)
         except aiohttp.ClientError as e:
-            return Answer(502, f"proxy: {self.upstreams[i]}: {type(e).__name__}: {e}".encode(), {})
+            return Answer(502, f"proxy: {self.upstreams[i]}: {type(e).__name__}: {e}".encode(), {},
+                          unreachable=isinstance(e, aiohttp.ClientConnectorError))
         finally:
             self.inflight[i] -= 1
 
     def reply(self, a: Answer, **extra) -> web.Response:
         return web.Response(status=a.status, body=a.body, headers=a.headers | extra)
 
-    async def broadcast(self, request: web.Request, body: bytes | None) -> list[Answer]:
-        return await asyncio.gather(*(self.send(i, request, body) for i in range(len(self.upstreams))))
-
-    def failure(self, what: str, answers: list[Answer], bad: list[int]) -> str:
-        i = bad[0]
-        return (f"proxy: {len(bad)}/{len(answers)} servers failed {what}; first: {self.upstreams[i]} -> "
-                f"{answers[i].status} {answers[i].text[:300]}")
+    def failure(self, what: str, answers: list[Answer], bad: list[int], status: int | None = None) -> web.Response:
+        """The first failing replica's status (or `status`) and a text naming it."""
+        first = answers[bad[0]]
+        return web.Response(status=status or first.status, text=f"proxy: {len(bad)}/{len(answers)} servers {what}; "
+                            f"first: {self.upstreams[bad[0]]} -> {first.status} {first.text[:300]}")
 
     # ---- routes ----
-    async def body(self, request: web.Request) -> bytes:
-        return await P.read_body(request, self.cfg.body_timeout_s)
-
     async def completions(self, request: web.Request):
-        raw = await self.body(request)
+        raw = await P.read_body(request, self.cfg.body_timeout_s)
         body = P.parse_json(raw)
         prompt, model = body.get("prompt", body.get("messages")), P.utf8(body.get("model") or "")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]  # a batch of prompts is routed by its first one
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt))):
-            prompt = json.dumps(prompt)
-        prompt = P.utf8(prompt) if isinstance(prompt, str) else prompt  # the router hashes it as UTF-8
+        if not (isinstance(prompt, list) and all(type(t) is int for t in prompt)):  # text, messages or anything odd
+            prompt = P.utf8(prompt if isinstance(prompt, str) else json.dumps(prompt))  # hashed as UTF-8
         pick, _ = self.router.choose(model, prompt, self.inflight)
         others = sorted((i for i in range(len(self.upstreams)) if i != pick), key=lambda i: self.inflight[i])
         for i in [pick] + others:  # go on to the next replica only when this one cannot be reached at all
@@ -133,7 +126,7 @@ class Proxy:
         return self.reply(answer, **{"X-Proxy-Upstream": str(i)})
 
     async def load_lora(self, request: web.Request):
-        raw = await self.body(request)
+        raw = await P.read_body(request, self.cfg.body_timeout_s)
         body = P.parse_json(raw)
         name, path = P.utf8(body.get("lora_name")), body.get("lora_path")
 
@@ -150,48 +143,27 @@ class Proxy:
             loaded = [i for i, a in enumerate(answers) if a.status == 200]
             already = [i for i, a in enumerate(answers) if a.status == 400 and P.LOADED in a.text]
             bad = [i for i in range(len(answers)) if i not in loaded and i not in already]
-            other_weights = not bad and any(root != path for root in await asyncio.gather(
-                *(self.root(i, request, name) for i in already)))
+            ask = [self.send(i, request, None, P.MODELS, "GET") for i in already] if not bad else []
+            models = await asyncio.gather(*ask)
+            other_weights = any(P.root_of(m.body, name) != path for m in models)  # the name, but not these weights
             if not bad and not other_weights:  # everywhere now; if every replica had it, say so as one server would
                 return self.reply(answers[loaded[0]] if loaded else answers[0])
             for i in loaded:  # all or nothing: take it back where it went in
                 await self.send(i, request, json.dumps({"lora_name": name}).encode(), path=P.UNLOAD)
         if other_weights:
             return P.error(400, P.already_loaded(name), "InvalidUserInput")
-        status = 504 if P.NO_ADAPTER in answers[bad[0]].text else answers[bad[0]].status
-        message = self.failure(f"to load {name}; rolled back on the others.", answers, bad)
-        return web.Response(status=status, text=message)
-
-    async def root(self, i: int, request: web.Request, name: str) -> str | None:
-        """The path replica i serves adapter `name` from, per its /v1/models."""
-        a = await self.send(i, request, None, path=P.MODELS, method="GET")
-        try:
-            return next((m.get("root") for m in json.loads(a.body)["data"] if m.get("id") == name), None)
-        except (ValueError, KeyError, TypeError):
-            return None
-
-    async def unload_lora(self, request: web.Request):
-        answers = await self.broadcast(request, await self.body(request))
-        ok = [a for a in answers if a.status == 200]
-        bad = [i for i, a in enumerate(answers) if a.status not in (200, 404)]
-        if bad:
-            return web.Response(status=answers[bad[0]].status, text=self.failure(request.path, answers, bad))
-        return self.reply(ok[0] if ok else answers[0])  # 404 only when no replica knew the name
+        status = 504 if P.NO_ADAPTER in answers[bad[0]].text else None  # the directory never appeared
+        return self.failure(f"failed to load {name}; rolled back on the others.", answers, bad, status)
 
     async def everywhere(self, request: web.Request):
-        answers = await self.broadcast(request, await self.body(request))
-        bad = [i for i, a in enumerate(answers) if a.status != 200]
+        """Sent to every replica; answered as one server would answer, or with the first failure."""
+        body = await P.read_body(request, self.cfg.body_timeout_s)
+        answers = await asyncio.gather(*(self.send(i, request, body) for i in range(len(self.upstreams))))
+        fine = (200, 404) if request.path == P.UNLOAD else (200,)
+        bad = [i for i, a in enumerate(answers) if a.status not in fine]
         if bad:
-            return web.Response(status=answers[bad[0]].status, text=self.failure(request.path, answers, bad))
-        return self.reply(answers[0])
-
-    async def health(self, request: web.Request):
-        answers = await self.broadcast(request, None)
-        bad = [i for i, a in enumerate(answers) if a.status != 200]
-        if bad:
-            text = self.failure("health", answers, bad).replace("servers failed health", "servers unhealthy")
-            return web.Response(status=answers[bad[0]].status, text=text)
-        return web.Response()
+            return self.failure("unhealthy" if request.method == "GET" else f"failed {request.path}", answers, bad)
+        return self.reply(next((a for a in answers if a.status == 200), answers[0]))
 
     async def stats(self, request: web.Request):
         upstreams = [{"url": u, "inflight": f, "routed": r} for u, f, r in zip(self.upstreams, self.inflight, self.routed)]
@@ -200,21 +172,19 @@ class Proxy:
     async def forward(self, request: web.Request):
         i = self.next_rr % len(self.upstreams)
         self.next_rr += 1
-        return self.reply(await self.send(i, request, await self.body(request)))
+        return self.reply(await self.send(i, request, await P.read_body(request, self.cfg.body_timeout_s)))
 
 
 def make_app(proxy: Proxy, api_key: str) -> web.Application:
     app = web.Application(middlewares=[P.guard(api_key)], client_max_size=proxy.cfg.max_body_mb * 2**20)
     app.add_routes([web.post(P.COMPLETIONS, proxy.completions), web.post(P.CHAT, proxy.completions),
-                    web.post(P.LOAD, proxy.load_lora), web.post(P.UNLOAD, proxy.unload_lora),
-                    *[web.post(p, proxy.everywhere) for p in P.EVERY_REPLICA],
-                    web.get(P.HEALTH, proxy.health), web.get(P.PING, proxy.health), web.get("/proxy/stats", proxy.stats),
+                    web.post(P.LOAD, proxy.load_lora), *[web.post(p, proxy.everywhere) for p in P.EVERY_REPLICA],
+                    *[web.get(p, proxy.everywhere) for p in (P.HEALTH, P.PING)], web.get("/proxy/stats", proxy.stats),
                     web.route("*", "/{tail:.*}", proxy.forward)])
 
     async def session(app):
         timeout = aiohttp.ClientTimeout(total=proxy.cfg.request_timeout_s, sock_connect=10)
-        proxy.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024),
-                                              auto_decompress=True)
+        proxy.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
         yield
         await proxy.session.close()
     app.cleanup_ctx.append(session)

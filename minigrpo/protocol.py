@@ -32,7 +32,7 @@ LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 HEALTH, PING, VERSION = "/health", "/ping", "/version"
 PAUSE, RESUME, IS_PAUSED, RESET_PREFIX_CACHE = "/pause", "/resume", "/is_paused", "/reset_prefix_cache"
 SERVER_INFO, WORLD_SIZE = "/server_info", "/get_world_size"
-EVERY_REPLICA = (PAUSE, RESUME, RESET_PREFIX_CACHE)  # a proxy sends these to all replicas
+EVERY_REPLICA = (UNLOAD, PAUSE, RESUME, RESET_PREFIX_CACHE)  # a proxy sends these to all replicas
 
 ADAPTER_HEADER, DIGEST_HEADER = "X-Adapter-Name", "X-Adapter-Digest"
 NO_ADAPTER, LOADED = "No adapter found", "has already been loaded"
@@ -72,6 +72,14 @@ def json_response(data, status: int = 200, headers: dict | None = None) -> web.R
 
 def error(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> web.Response:
     return json_response({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+def root_of(models: bytes | str, name: str) -> str | None:
+    """The path a /v1/models answer says adapter `name` is served from (None: no such name, or no such answer)."""
+    try:
+        return next((m.get("root") for m in json.loads(models)["data"] if m.get("id") == name), None)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def parse_json(raw: bytes) -> dict:

@@ -41,7 +41,7 @@ class HttpEngine:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
         self.inflight = asyncio.Semaphore(max_inflight)
-        self.session, self.version, self.path, self.loaded = None, None, None, []  # loaded: (version, name)
+        self.session, self.version, self.path, self.loaded = None, None, None, {}  # loaded: version -> name
 
     async def _call(self, method: str, path: str, body=None) -> tuple[int, str, dict | None]:
         """(status, text, json or None), retrying transport errors and 5xx with backoff 0.5, 1, 2, ... 8 s."""
@@ -80,8 +80,7 @@ class HttpEngine:
         name, path = adapter_name(path), absolute(path)
         status, text, _ = await self._call("POST", P.LOAD, {"lora_name": name, "lora_path": path})
         if status == 400 and P.LOADED in text:  # another generator was first, or the name holds other weights
-            _, _, models = await self._call("GET", P.MODELS)
-            there = next((m.get("root") for m in (models or {}).get("data", []) if m.get("id") == name), None)
+            there = P.root_of((await self._call("GET", P.MODELS))[1], name)
             if there != path:
                 raise ServerError(f"{self.url} already serves {name} from {there}, not from {path}")
         elif status != 200:
@@ -90,26 +89,22 @@ class HttpEngine:
     def load_adapter(self, version: int, path: str):
         async def load():
             await self._load(path)
-            self.loaded.append((version, adapter_name(path)))
-            for old in [v for v in self.loaded if v[0] <= version - self.keep]:  # left the staleness window
-                await self._call("POST", P.UNLOAD, {"lora_name": old[1]})  # 404: fine
-                self.loaded.remove(old)
+            self.loaded[version] = adapter_name(path)
+            for old in [v for v in self.loaded if v <= version - self.keep]:  # left the staleness window
+                await self._call("POST", P.UNLOAD, {"lora_name": self.loaded.pop(old)})  # 404: fine
         self.loop.run_until_complete(load())
         self.version, self.path = version, path
 
     async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
         body = {"model": adapter_name(self.path), "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens,
                 "temperature": sp.temperature, "top_p": sp.top_p, "top_k": 0, "logprobs": 0,
-                "stop_token_ids": list(sp.stop_token_ids), "return_token_ids": True}
-        if sp.seed is not None:  # without one, the server samples from its own generator
-            body["seed"] = sp.seed
+                "stop_token_ids": list(sp.stop_token_ids), "return_token_ids": True,
+                "seed": sp.seed}  # None (null): the server samples from its own generator
         async with self.inflight:
-            for _ in range(2):
+            status, text, data = await self._call("POST", P.COMPLETIONS, body)
+            if status == 404 and "does not exist" in text:  # a replica restarted and forgot the adapter
+                await self._load(self.path)
                 status, text, data = await self._call("POST", P.COMPLETIONS, body)
-                if status == 404 and "does not exist" in text:  # a replica restarted and forgot the adapter
-                    await self._load(self.path)
-                    continue
-                break
         if status != 200 or data is None:
             raise ServerError(f"{self.url}/v1/completions answered {status}: {text[:300]}")
         choices = sorted(data["choices"], key=lambda c: c["index"])

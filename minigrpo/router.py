@@ -27,31 +27,29 @@ class PrefixRouter:
         self.next_rr = 0
 
     def blocks(self, model: str, prompt) -> list[bytes]:
-        """Chained hashes of the blocks of a prompt: token ids, or text (4 bytes a token, roughly)."""
-        data, size = None, 4 * self.block_size  # text: about 4 bytes a token
-        if not isinstance(prompt, str):
-            try:
-                data, size = array.array("q", prompt).tobytes(), 8 * self.block_size  # 8 bytes a token id
-            except OverflowError:  # ids beyond int64: no tokenizer has those, hash the text of the list instead
-                prompt = json.dumps(prompt)
-        data = prompt.encode() if data is None else data
-        pieces = [data[i:i + size] for i in range(0, len(data), size)]  # the last one may be partial
-        h, out = hashlib.blake2b(model.encode(), digest_size=16).digest(), []
-        for piece in pieces:
-            h = hashlib.blake2b(h + piece, digest_size=16).digest()
+        """Chained hashes of the blocks of a prompt: token ids (8 bytes each), or text (about 4 bytes a token)."""
+        try:
+            data, size = (prompt.encode(), 4) if isinstance(prompt, str) else (array.array("q", prompt).tobytes(), 8)
+        except OverflowError:  # ids beyond int64: no tokenizer has those, hash the text of the list instead
+            data, size = json.dumps(prompt).encode(), 4
+        h, out, size = hashlib.blake2b(model.encode(), digest_size=16).digest(), [], size * self.block_size
+        for i in range(0, len(data), size):  # the last block may be partial
+            h = hashlib.blake2b(h + data[i:i + size], digest_size=16).digest()
             out.append(h)
         return out
 
     def choose(self, model: str, prompt, inflight: list[int]) -> tuple[int, str]:
         """(replica index, "affinity" | "spilled" | "unmatched"), and remember where the prompt went."""
         hashes = self.blocks(model, prompt)
-        matched, owners_so_far, common = [0] * self.n, set(range(self.n)), 0
+        matched, owners_so_far, common, fanout = [0] * self.n, set(range(self.n)), 0, 0
         for depth, h in enumerate(hashes):
             entry = self.table.get(h)
             if entry is None:
                 break
             owners, successors = entry
-            if len(owners) == self.n or len(successors) >= 2:
+            if len(successors) >= 2:
+                fanout = depth + 1  # prompts part ways after this block: what comes before is the template
+            if len(owners) == self.n or fanout == depth + 1:
                 common = depth + 1  # the shared template so far
             owners_so_far &= owners
             if not owners_so_far:
@@ -67,22 +65,12 @@ class PrefixRouter:
             ties = [i for i in range(self.n) if inflight[i] == least]
             pick, kind = ties[self.next_rr % len(ties)], "spilled" if specific[best] > 0 else "unmatched"
             self.next_rr += 1
-            if hashes and matched[pick] == len(hashes) and len(hashes) > self.template_blocks(hashes):
+            if matched[pick] == len(hashes) and len(hashes) > fanout:  # the loop saw every block: fanout is final
                 kind = "affinity"  # every replica holds this whole prompt (it spilled before): a hit wherever it goes
         self._remember(hashes, pick)
         self.counters["routed"] += 1
         self.counters[kind] += 1
         return pick, kind
-
-    def template_blocks(self, hashes: list[bytes]) -> int:
-        """Leading blocks up to the last fan-out point: the part of a prompt that every prompt shares."""
-        last = 0
-        for depth, h in enumerate(hashes):
-            if h not in self.table:
-                break
-            if len(self.table[h][1]) >= 2:
-                last = depth + 1
-        return last
 
     def _remember(self, hashes: list[bytes], pick: int):
         for prev, h in zip([None] + hashes, hashes):

@@ -16,41 +16,26 @@
 import asyncio
 import collections
 import threading
-from dataclasses import dataclass
 
 from minigrpo.engine import Completion, SamplingParams
 from minigrpo.lora import apply_adapter, check_adapter, check_config, lora_layers, read_adapter
 
 
-@dataclass
-class Weights:
-    r: int
-    scaling: float
-    tensors: dict
-    digest: str
+Weights = collections.namedtuple("Weights", "r scaling tensors digest")  # an adapter, read and checked whole
+Adapter = collections.namedtuple("Adapter", "path created")  # a loaded name's record; a reload makes a new one
 
 
-@dataclass
-class Adapter:
-    path: str
-    created: int
-
-
-@dataclass(eq=False)
 class Job:
-    model: str  # the served name, base or adapter
-    prompts: list[list[int]]
-    params: SamplingParams
-    future: asyncio.Future
+    """One request: its prompts, each sampled n times, and the future its handler awaits."""
 
-    def __post_init__(self):
-        self.waiting = collections.deque(range(len(self.prompts)))  # prompts not yet in a round
-        self.results = [None] * len(self.prompts)  # per prompt, its n Completions once sampled
-        self.left = len(self.prompts)  # prompts not yet sampled
+    def __init__(self, model: str, prompts: list[list[int]], params: SamplingParams, future: asyncio.Future):
+        self.model, self.prompts, self.params, self.future = model, prompts, params, future  # model: base or adapter
+        self.waiting = collections.deque(range(len(prompts)))  # prompts not yet in a round
+        self.results = [None] * len(prompts)  # per prompt, its n Completions once sampled
 
     def finish(self, i: int, completions: list[Completion]):
-        self.results[i], self.left = completions, self.left - 1
-        if self.left == 0 and not self.future.done():
+        self.results[i] = completions
+        if None not in self.results and not self.future.done():
             self.future.set_result(self.results)
 
     def fail(self, e: Exception):

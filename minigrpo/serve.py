@@ -51,7 +51,6 @@ OFF = {"stream": (None, False), "echo": (None, False), "prompt_logprobs": (None,
 @dataclass
 class ServeConfig:
     model: str = field(default="demo", metadata={"help": "base model: 'demo', a local folder or a hub id"})
-    served_model_name: str = field(default="", metadata={"help": "the base model's name in the API (default: --model)"})
     host: str = field(default="127.0.0.1", metadata={"help": "bind address (loopback unless told otherwise)"})
     port: int = field(default=8000, metadata={"help": "port"})
     api_key: str = field(default="", metadata={"help": "require 'Authorization: Bearer KEY' on /v1 routes, as vLLM"})
@@ -70,22 +69,32 @@ class ServeConfig:
     seed: int = field(default=0, metadata={"help": "seed for requests that bring none"})
 
 
-def number(body: dict, key: str, default, lo=-math.inf, hi=math.inf, integer=False, open_lo=False):
-    """body[key] (default when absent or null), or BadRequest naming the field and the range."""
+def checked(body: dict, key: str, default, ok, rule: str):
+    """body[key] (default when absent or null) if ok(it), else a 400 naming the field: '{key} must {rule}, got ...'."""
     v = body.get(key)
     v = default if v is None else v
-    ok = type(v) is int if integer else type(v) in (int, float) and math.isfinite(v)
-    if not ok or not (lo < v if open_lo else lo <= v) or v > hi:
-        kind = "an integer" if integer else "a finite number"
-        raise P.BadRequest(f"{key} must be {kind} in {'(' if open_lo else '['}{lo}, {hi}], got {v!r}", key)
+    if not ok(v):
+        raise P.BadRequest(f"{key} must {rule}, got {v!r:.200}", key)
     return v
+
+
+def number(body: dict, key: str, default, lo=-math.inf, hi=math.inf, integer=False, open_lo=False):
+    """A number in [lo, hi], or in (lo, hi] with open_lo; an integer one refuses floats and booleans."""
+    kind = "an integer" if integer else "a finite number"
+    ok = lambda v: (type(v) is int if integer else type(v) in (int, float) and math.isfinite(v)) and (
+        lo < v if open_lo else lo <= v) and v <= hi
+    return checked(body, key, default, ok, f"be {kind} in {'(' if open_lo else '['}{lo}, {hi}]")
+
+
+def flag(body: dict, key: str) -> bool:
+    return bool(checked(body, key, False, lambda v: v in (True, False), "be true or false"))
 
 
 class Server:
     def __init__(self, cfg: ServeConfig):
         if cfg.max_lora_rank not in MAX_LORA_RANKS:
             raise SystemExit(f"--max_lora_rank must be one of {MAX_LORA_RANKS}, got {cfg.max_lora_rank}")
-        self.cfg, self.name = cfg, cfg.served_model_name or cfg.model
+        self.cfg, self.name = cfg, cfg.model
         self.model, self.tokenizer = load_model(cfg.model, pick_device(cfg.device), cfg.dtype)
         inject_lora(self.model, cfg.max_lora_rank, cfg.max_lora_rank, DEFAULT_TARGETS)  # served at rank <= max
         self.targets = sorted({n.rsplit(".", 1)[-1] for n in lora_layers(self.model)})
@@ -99,23 +108,23 @@ class Server:
         self.max_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
 
     # ---- checking a request ----
-    def check_fields(self, body: dict, route: str):
+    async def start(self, request: web.Request, route: str) -> tuple[dict, str, int]:
+        """What every sampling request is checked for first: (body, the model asked for, n)."""
+        body = await P.read_json(request, self.cfg.body_timeout_s)
         unknown = sorted(body.keys() - FIELDS[route])
         if unknown:
             raise P.BadRequest(f"{unknown[0]} is not supported by this server", unknown[0])
         for key, allowed in OFF.items():
             if body.get(key) not in allowed:
                 raise P.BadRequest(f"{key}={body[key]!r} is not supported by this server", key)
-        model = body.get("model") or self.name
-        if not isinstance(model, str):
-            raise P.BadRequest(f"model must be a string, got {model!r}", "model")
+        model = checked(body, "model", self.name, lambda m: isinstance(m, str), "be a string") or self.name
         if model != self.name and model not in self.scheduler.adapters:
             raise P.BadRequest(f"The model `{model}` does not exist. Valid aliases: {self.name}.", "model", 404,
                                "NotFoundError")
         if self.scheduler.paused in ("abort", "wait"):
             raise P.BadRequest("Generation is paused. Please retry after it resumes.", None, 503,
                                "ServiceUnavailableError")
-        return model
+        return body, model, number(body, "n", 1, 1, self.cfg.max_request_rows, integer=True)
 
     async def tokenize(self, texts: list[str], key: str, chat: bool = False) -> list[list[int]]:
         """Off the event loop, and only texts that could fit the context."""
@@ -130,23 +139,21 @@ class Server:
             raise P.BadRequest(f"{key} could not be tokenized: {type(e).__name__}: {e}", key) from None
 
     async def prompts(self, body: dict, n: int) -> list[list[int]]:
+        one = lambda p: isinstance(p, str) or isinstance(p, list) and p and all(type(t) is int for t in p)
         prompt = body.get("prompt")
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
-            prompt = [prompt]
-        if not (isinstance(prompt, list) and prompt and all(isinstance(p, str) or isinstance(p, list) and p and all(
-                type(t) is int for t in p) for p in prompt)):
+        prompt = [prompt] if one(prompt) else prompt
+        if not (isinstance(prompt, list) and prompt and all(map(one, prompt))):
             raise P.BadRequest("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
-        self.check_rows(len(prompt), n, "prompt")
-        texts = [p for p in prompt if isinstance(p, str)]
-        tokens = iter(await self.tokenize(texts, "prompt") if texts else [])
+        if len(prompt) * n > self.cfg.max_request_rows:
+            raise P.BadRequest(f"{len(prompt)} prompts x n={n} is {len(prompt) * n} sequences, more than this "
+                               f"server's --max_request_rows {self.cfg.max_request_rows}", "prompt")
+        tokens = iter(await self.tokenize([p for p in prompt if isinstance(p, str)], "prompt"))
         return [next(tokens) if isinstance(p, str) else p for p in prompt]
 
     async def chat_prompt(self, body: dict) -> list[list[int]]:
-        messages = body.get("messages")
-        if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                and m.keys() <= {"role", "content", "name"} for m in messages)):
-            raise P.BadRequest("messages must be a non-empty list of {role, content} with string content", "messages")
+        messages = checked(body, "messages", None, lambda ms: isinstance(ms, list) and ms and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            and m.keys() <= {"role", "content", "name"} for m in ms), "be a non-empty list of {role, content}")
         if self.tokenizer.chat_template is None:
             raise P.BadRequest(NO_TEMPLATE)
         try:
@@ -154,11 +161,6 @@ class Server:
         except Exception as e:  # noqa: BLE001 -- a template may raise anything on odd messages
             raise P.BadRequest(f"the chat template failed on these messages: {e}", "messages") from None
         return await self.tokenize([text], "messages", chat=True)
-
-    def check_rows(self, prompts: int, n: int, key: str):
-        if prompts * n > self.cfg.max_request_rows:
-            raise P.BadRequest(f"{prompts} prompts x n={n} is {prompts * n} sequences, more than this server's "
-                               f"--max_request_rows {self.cfg.max_request_rows}", key)
 
     def sampling(self, body: dict, prompts: list[list[int]], n: int, logprobs: int) -> SamplingParams:
         for p in prompts:
@@ -171,39 +173,32 @@ class Server:
                 raise P.BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, "
                                    f"your request has {len(p)} input tokens. Please reduce the length of the input "
                                    "messages.", "prompt")
-        seed = body.get("seed")
-        if seed is not None and (type(seed) is not int or not -2**63 <= seed < 2**63):
-            raise P.BadRequest(f"seed must be an int64, got {seed!r}", "seed")
-        stop = body.get("stop")
-        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-        if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-            raise P.BadRequest("stop must be a non-empty string or a list of them", "stop")
-        stop_ids = [] if body.get("stop_token_ids") is None else body["stop_token_ids"]
-        if not (isinstance(stop_ids, list) and all(type(t) is int and 0 <= t < self.vocab for t in stop_ids)):
-            raise P.BadRequest(f"stop_token_ids must be a list of token ids in [0, {self.vocab})", "stop_token_ids")
-        for key in ("ignore_eos", "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids"):
-            if body.get(key) not in (None, True, False):
-                raise P.BadRequest(f"{key} must be true or false, got {body[key]!r}", key)
+        seed = checked(body, "seed", None, lambda s: s is None or type(s) is int and -2**63 <= s < 2**63, "be an int64")
+        stop = checked(body, "stop", [], lambda s: isinstance(s, (str, list)) and all(
+            isinstance(x, str) and x for x in ([s] if isinstance(s, str) else s)),
+            "be a non-empty string or a list of them")
+        stop_ids = checked(body, "stop_token_ids", [], lambda ids: isinstance(ids, list) and all(
+            type(t) is int and 0 <= t < self.vocab for t in ids), f"be a list of token ids in [0, {self.vocab})")
+        for key in ("skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids"):
+            flag(body, key)
         max_tokens = number(body, "max_completion_tokens", number(body, "max_tokens", 16, 1, integer=True), 1,
                             integer=True)
         return SamplingParams(
             n=n, temperature=number(body, "temperature", 1.0, 0, MAX_FACTOR), seed=seed,
             top_p=number(body, "top_p", 1.0, 0, 1, open_lo=True), stop_token_ids=tuple(stop_ids), logprobs=logprobs,
-            stop=tuple(stop),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
             max_tokens=min(max_tokens, self.max_model_len - max(map(len, prompts))),
-            ignore_eos=bool(body.get("ignore_eos")), min_tokens=number(body, "min_tokens", 0, 0, max_tokens, True),
-            logit_bias=self.logit_bias(body.get("logit_bias")), min_p=number(body, "min_p", 0.0, 0, 1),
+            ignore_eos=flag(body, "ignore_eos"), min_tokens=number(body, "min_tokens", 0, 0, max_tokens, True),
+            logit_bias=self.logit_bias(body), min_p=number(body, "min_p", 0.0, 0, 1),
             repetition_penalty=number(body, "repetition_penalty", 1.0, 0, MAX_FACTOR, open_lo=True),
             presence_penalty=number(body, "presence_penalty", 0.0, -2, 2),
             frequency_penalty=number(body, "frequency_penalty", 0.0, -2, 2))
 
-    def logit_bias(self, bias) -> dict | None:
+    def logit_bias(self, body: dict) -> dict:
         """{token id: bias}, clamped to [-100, 100] as vLLM does; keys are JSON strings of ids, as OpenAI sends."""
-        if bias is None:
-            return None
-        if not (isinstance(bias, dict) and all(k.isascii() and k.isdigit() and len(k) < 10 and type(v) in (int, float)
-                                               and math.isfinite(v) for k, v in bias.items())):
-            raise P.BadRequest("logit_bias must map token ids to finite numbers", "logit_bias")
+        bias = checked(body, "logit_bias", {}, lambda b: isinstance(b, dict) and all(
+            k.isascii() and k.isdigit() and len(k) < 10 and type(v) in (int, float) and math.isfinite(v)
+            for k, v in b.items()), "map token ids to finite numbers")
         bad = sorted(int(k) for k in bias if int(k) >= self.vocab)
         if bad:
             raise P.BadRequest(f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
@@ -212,52 +207,41 @@ class Server:
 
     # ---- /v1/completions and /v1/chat/completions ----
     async def completions(self, request: web.Request):
-        body = await P.read_json(request, self.cfg.body_timeout_s)
-        model = self.check_fields(body, P.COMPLETIONS)
-        n = number(body, "n", 1, 1, self.cfg.max_request_rows, integer=True)
-        lp = body.get("logprobs")
-        logprobs = 0 if lp is None else number(body, "logprobs", 0, 0, min(MAX_LOGPROBS, self.vocab), integer=True)
+        body, model, n = await self.start(request, P.COMPLETIONS)
+        logprobs = number(body, "logprobs", 0, 0, min(MAX_LOGPROBS, self.vocab), integer=True)
         prompts = await self.prompts(body, n)
         out = await self.scheduler.submit(model, prompts, self.sampling(body, prompts, n, logprobs))
         as_ids = body.get("return_tokens_as_token_ids")
         name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: self.decode([t], False))
-        choices = []
-        for prompt, group in zip(prompts, out if not isinstance(out, Exception) else []):
-            for c in group:
-                choice = self.choice(len(choices), c, body, model)
-                choice["logprobs"] = self.completion_logprobs(c, name) if lp is not None else None
-                choice |= {"prompt_logprobs": None, "routed_experts": None,
-                           "prompt_token_ids": prompt if body.get("return_token_ids") else None}
-                choices.append(choice)
+        choices = [self.choice(c, body, model) | {
+            "logprobs": self.completion_logprobs(c, name) if body.get("logprobs") is not None else None,
+            "prompt_logprobs": None, "routed_experts": None,
+            "prompt_token_ids": prompt if body.get("return_token_ids") else None}
+            for prompt, group in zip(prompts, out if not isinstance(out, Exception) else []) for c in group]
         return self.respond(out, prompts, model, {"object": "text_completion", "choices": choices,
                                                   "ec_transfer_params": None, "metrics": None}, "cmpl")
 
     async def chat(self, request: web.Request):
-        body = await P.read_json(request, self.cfg.body_timeout_s)
-        model = self.check_fields(body, P.CHAT)
-        n = number(body, "n", 1, 1, self.cfg.max_request_rows, integer=True)
-        if body.get("logprobs") not in (None, True, False):
-            raise P.BadRequest(f"logprobs must be true or false, got {body['logprobs']!r}", "logprobs")
+        body, model, n = await self.start(request, P.CHAT)
+        logprobs = flag(body, "logprobs")
         top = number(body, "top_logprobs", 0, 0, min(MAX_LOGPROBS, self.vocab), integer=True)
-        if top and not body.get("logprobs"):
+        if top and not logprobs:
             raise P.BadRequest("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
         prompts = await self.chat_prompt(body)
-        self.check_rows(1, n, "n")
         out = await self.scheduler.submit(model, prompts, self.sampling(body, prompts, n, top))
         choices = []
         for c in out[0] if not isinstance(out, Exception) else []:
-            choice = self.choice(len(choices), c, body, model)
-            choice["message"] = {"role": "assistant", "content": choice.pop("text"), "tool_calls": []}
-            choice["logprobs"] = self.chat_logprobs(c, top) if body.get("logprobs") else None
-            choices.append(choice)
+            choice = self.choice(c, body, model)
+            message = {"role": "assistant", "content": choice.pop("text"), "tool_calls": []}
+            choices.append(choice | {"message": message, "logprobs": self.chat_logprobs(c, top) if logprobs else None})
         return self.respond(out, prompts, model, {"object": "chat.completion", "choices": choices,
                                                   "prompt_logprobs": None, "prompt_token_ids": None}, "chatcmpl")
 
-    def choice(self, index: int, c, body: dict, model: str) -> dict:
+    def choice(self, c, body: dict, model: str) -> dict:
         """What both routes' choices share. The text ends before a stop token or stop string, as in vLLM."""
         ids = c.token_ids[:-1] if c.finish_reason == "stop" and c.text is None else c.token_ids
-        skip = body.get("skip_special_tokens") is not False
-        return {"index": index, "text": c.text if c.text is not None else self.decode(ids, skip),
+        skip = body.get("skip_special_tokens") in (None, True)
+        return {"text": c.text if c.text is not None else self.decode(ids, skip),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                 "token_ids": c.token_ids if body.get("return_token_ids") else None,
                 "adapter": model, "adapter_digest": c.adapter_digest}
@@ -284,6 +268,7 @@ class Server:
         digest = ",".join(dict.fromkeys(c.adapter_digest for g in out for c in g if c.finish_reason != "abort"))
         return P.json_response({
             "id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model, **body,
+            "choices": [{"index": i} | c for i, c in enumerate(body["choices"])],
             "service_tier": None, "system_fingerprint": None, "kv_transfer_params": None,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion,
                       "completion_tokens": completion, "prompt_tokens_details": None,
@@ -296,23 +281,22 @@ class Server:
             return P.error(400, "Unsupported Media Type: Only 'application/json' is allowed")
         body = await P.read_json(request, self.cfg.body_timeout_s)
         name, path = body.get("lora_name"), body.get("lora_path")
+        invalid = lambda message, param=None: P.error(400, message, "InvalidUserInput", param)
         if not name or not path or not isinstance(name, str) or not isinstance(path, str):
-            return P.error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+            return invalid("Both 'lora_name' and 'lora_path' must be provided.")
         for key, value in (("lora_name", name), ("lora_path", path)):
             if not value.isprintable():  # it goes into headers and texts: no NUL, newline or lone surrogate
-                return P.error(400, f"{key} must be printable text", "InvalidUserInput", key)
+                return invalid(f"{key} must be printable text", key)
         if name == self.name:
-            return P.error(400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput")
+            return invalid(f"The lora adapter '{name}' conflicts with a served base model.")
         if name in self.scheduler.adapters and not body.get("load_inplace"):
-            return P.error(400, P.already_loaded(name), "InvalidUserInput")
+            return invalid(P.already_loaded(name))
         url = "://" in path  # read by lora.read_adapter, wherever it lives
         if not url and not os.path.isabs(path):
-            return P.error(400, "lora_path must be an absolute path: this server does not download adapters",
-                           "InvalidUserInput", "lora_path")
+            return invalid("lora_path must be an absolute path: this server does not download adapters", "lora_path")
         root = os.path.realpath(self.cfg.lora_root) if self.cfg.lora_root else None
         if root and (url or os.path.commonpath([root, os.path.realpath(path)]) != root):
-            return P.error(400, "lora_path lies outside the directory this server may read (--lora_root)",
-                           "InvalidUserInput", "lora_path")
+            return invalid("lora_path lies outside the directory this server may read (--lora_root)", "lora_path")
         try:
             weights = await asyncio.to_thread(self.scheduler.read, path)
         except FileNotFoundError:
@@ -320,7 +304,7 @@ class Server:
         except (ValueError, OSError) as e:
             return P.error(500, f"Call to add_lora method failed: {e}", "InternalServerError")
         if name in self.scheduler.adapters and not body.get("load_inplace"):  # another load won while we read
-            return P.error(400, P.already_loaded(name), "InvalidUserInput")
+            return invalid(P.already_loaded(name))
         self.scheduler.add(name, Adapter(path, int(time.time())), weights)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -353,20 +337,18 @@ class Server:
         self.scheduler.resume()
         return web.json_response({"status": "resumed"})
 
-    def info(self) -> dict:
-        return {"model_config": {"model": self.cfg.model, "served_model_name": self.name, "dtype": f"torch.{self.cfg.dtype}",
-                                 "max_model_len": self.max_model_len, "logprobs_mode": "processed_logprobs"},
-                "cache_config": {"block_size": 16, "enable_prefix_caching": False},
-                "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
-                "lora_config": {"max_lora_rank": self.cfg.max_lora_rank, "max_loras": self.cfg.max_loras,
-                                "max_cpu_loras": self.cfg.max_cpu_loras, "lora_dtype": "torch.float32",
-                                "fully_sharded_loras": False, "target_modules": self.targets}}
-
     async def server_info(self, request):
-        config = self.info() if request.query.get("config_format", "text") == "json" else str(self.info())
-        return web.json_response({"vllm_config": config, "vllm_env": {"VLLM_SERVER_DEV_MODE": True,
-                                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}, "system_env": {}})
-
+        config = {"model_config": {"model": self.cfg.model, "served_model_name": self.name,
+                                   "dtype": f"torch.{self.cfg.dtype}", "max_model_len": self.max_model_len,
+                                   "logprobs_mode": "processed_logprobs"},
+                  "cache_config": {"block_size": 16, "enable_prefix_caching": False},
+                  "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
+                  "lora_config": {"max_lora_rank": self.cfg.max_lora_rank, "max_loras": self.cfg.max_loras,
+                                  "max_cpu_loras": self.cfg.max_cpu_loras, "lora_dtype": "torch.float32",
+                                  "fully_sharded_loras": False, "target_modules": self.targets}}
+        as_json = request.query.get("config_format") == "json"
+        return web.json_response({"vllm_config": config if as_json else str(config), "system_env": {},
+                                  "vllm_env": {"VLLM_SERVER_DEV_MODE": True, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}})
 
 def make_app(server: Server, api_key: str = "") -> web.Application:
     app = web.Application(middlewares=[P.guard(api_key)], client_max_size=server.cfg.max_body_mb * 2**20)
