@@ -186,8 +186,9 @@ def run_minigrpo(seed, args, out) -> dict:
     """generate.py + train.py on a fresh run directory; adapters copied at each point; both killed at the budget."""
     run_dir = os.path.join(out, "run")
     common = ["--run_dir", run_dir, "--seed", str(seed), "--device", "cpu"]
+    common += args.run_flags.split()  # run settings: both scripts must agree on them
     train = [sys.executable, "train.py", *common, "--max_steps", "10000000",  # the wall clock stops it
-             "--eval_every", "1000000000", "--eval_size", "1"]  # the bench evaluates, outside the budget
+             "--eval_every", "1000000000", "--eval_size", "1", *args.train_flags.split()]  # evaluated outside the budget
     gen = [sys.executable, "generate.py", *common, "--generator_id", "g"]
     logs = [open(os.path.join(out, name), "w") for name in ("train.log", "generate.log")]
     env = bench_env(1)
@@ -282,6 +283,9 @@ def main():
     p.add_argument("--eval_size", type=int, default=400, help="held-out problems per evaluation (train.py's default)")
     p.add_argument("--trl_threads", type=int, default=1, help="torch threads of TRL's one process (minigrpo runs two "
                    "processes of one thread each); see the docstring")
+    p.add_argument("--train_flags", default="", help="extra train.py flags for the minigrpo arm, e.g. '--lr 6e-3'")
+    p.add_argument("--run_flags", default="", help="extra run settings for both minigrpo scripts, e.g. "
+                   "'--group_size 16' (the TRL arms keep the matched settings)")
     p.add_argument("--work_dir", default="", help="keep each arm's logs and adapters here (default: a temp folder)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--arm", default="", help=argparse.SUPPRESS)
@@ -332,7 +336,8 @@ def main():
              f"since the arm's start; base: the shipped model; steps/s: optimizer steps of 128 completions done in "
              f"the {args.budget_s:g} s budget / budget." + (f" Logs and adapters: {work}" if args.work_dir else ""))
     import peft, torch, transformers, trl
-    settings = {k: getattr(args, k) for k in ("budget_s", "point_list", "seeds", "arms", "eval_size", "trl_threads")}
+    settings = {k: getattr(args, k) for k in ("budget_s", "point_list", "seeds", "arms", "eval_size", "trl_threads",
+                                              "train_flags", "run_flags")}
     versions = {m.__name__: m.__version__ for m in (trl, peft, transformers, torch)}
     report("compare_trl", rows, notes, extra={"settings": settings, "versions": versions, "runs": runs})
     if not args.work_dir:
