@@ -114,8 +114,8 @@ class Proxy:
         prompt, model = body.get("prompt", body.get("messages")), P.utf8(body.get("model") or "")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]  # a batch of prompts is routed by its first one
-        if not (isinstance(prompt, list) and all(type(t) is int for t in prompt)):  # text, messages or anything odd
-            prompt = P.utf8(prompt if isinstance(prompt, str) else json.dumps(prompt))  # hashed as UTF-8
+        if not isinstance(prompt, list):  # text or anything odd, hashed as UTF-8 (the router takes lists as they are)
+            prompt = P.utf8(prompt if isinstance(prompt, str) else json.dumps(prompt))
         pick, _ = self.router.choose(model, prompt, self.inflight)
         others = sorted((i for i in range(len(self.upstreams)) if i != pick), key=lambda i: self.inflight[i])
         for i in [pick] + others:  # go on to the next replica only when this one cannot be reached at all

@@ -15,6 +15,7 @@ prefix cache without its exact hashes:
 """
 import array
 import collections
+import functools
 import hashlib
 import json
 
@@ -26,17 +27,13 @@ class PrefixRouter:
         self.counters = {"routed": 0, "affinity": 0, "spilled": 0, "unmatched": 0}
         self.next_rr = 0
 
-    def blocks(self, model: str, prompt) -> list[bytes]:
+    def blocks(self, model: str, prompt) -> tuple[bytes, ...]:
         """Chained hashes of the blocks of a prompt: token ids (8 bytes each), or text (about 4 bytes a token)."""
         try:
             data, size = (prompt.encode(), 4) if isinstance(prompt, str) else (array.array("q", prompt).tobytes(), 8)
-        except OverflowError:  # ids beyond int64: no tokenizer has those, hash the text of the list instead
+        except (OverflowError, TypeError):  # not int64 ids (chat messages, huge ids): hash the list's JSON text
             data, size = json.dumps(prompt).encode(), 4
-        h, out, size = hashlib.blake2b(model.encode(), digest_size=16).digest(), [], size * self.block_size
-        for i in range(0, len(data), size):  # the last block may be partial
-            h = hashlib.blake2b(h + data[i:i + size], digest_size=16).digest()
-            out.append(h)
-        return out
+        return chain(model, data, size * self.block_size)
 
     def choose(self, model: str, prompt, inflight: list[int]) -> tuple[int, str]:
         """(replica index, "affinity" | "spilled" | "unmatched"), and remember where the prompt went."""
@@ -72,8 +69,8 @@ class PrefixRouter:
         self.counters[kind] += 1
         return pick, kind
 
-    def _remember(self, hashes: list[bytes], pick: int):
-        for prev, h in zip([None] + hashes, hashes):
+    def _remember(self, hashes: tuple[bytes, ...], pick: int):
+        for prev, h in zip((None, *hashes), hashes):
             entry = self.table.setdefault(h, (set(), set()))
             entry[0].add(pick)
             self.table.move_to_end(h)
@@ -84,3 +81,12 @@ class PrefixRouter:
 
     def stats(self) -> dict:
         return self.counters | {"tracked_blocks": len(self.table)}
+
+
+@functools.lru_cache(maxsize=4096)  # a prompt comes G times in a row: hash its blocks once
+def chain(model: str, data: bytes, size: int) -> tuple[bytes, ...]:
+    h, out = hashlib.blake2b(model.encode(), digest_size=16).digest(), []
+    for i in range(0, len(data), size):  # the last block may be partial
+        h = hashlib.blake2b(h + data[i:i + size], digest_size=16).digest()
+        out.append(h)
+    return tuple(out)
