@@ -25,7 +25,8 @@ from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.lora import inject_lora
 from minigrpo.model import load_model, stop_token_ids
 from minigrpo.rollouts import Group
-from minigrpo.run import RunSettings
+from minigrpo.run import RunSettings, read_records
+from minigrpo.storage import Storage
 from minigrpo.tasks import make_task, prompt_ids, score
 from train import TrainConfig, build_samples, train_step
 
@@ -44,7 +45,7 @@ def two_process(mode: str, point: dict) -> float:
     subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", str(STEPS), "--eval_every",
                     str(STEPS), "--seed", "0", *flags], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     gen.wait()
-    train = [json.loads(l) for l in open(os.path.join(run_dir, "metrics", "train.jsonl"))]
+    train = read_records(Storage(run_dir), "train")
     shutil.rmtree(run_dir)
     return train[-2]["time"] - train[0]["time"]
 
