@@ -9,7 +9,7 @@ and the per-token losses l are summed over valid tokens and divided by a normali
     grpo     1/B sum_i (sum_t l_it / |o_i|)      sequence mean of token means          (DeepSeekMath)
     dapo     sum_it l_it / sum_i |o_i|           token mean over the whole batch        (DAPO)
     dr_grpo  sum_it l_it / (B * max_new_tokens)  a constant, so no length bias          (Dr. GRPO)
-B and sum_i |o_i| are those of the whole optimizer batch, passed in as num_seqs / num_tokens when micro-batching.
+B and sum_i |o_i| are those of the whole optimizer batch, given as Batch.num_seqs / num_tokens when micro-batching.
 
 Health of the off-policy data, from the trainer's log-probs against the sampler's (mu) on the sampled tokens,
 with v = pi_theta / mu (slime and prime-rl report the same signals):
