@@ -9,9 +9,6 @@ computes GRPO on the LoRA weights only, and publishes a new adapter version into
     torchrun --nproc_per_node 4 train.py ...            # data-parallel on 4 GPUs (rank 0 reads and publishes)
     (killed? run the same command again: it resumes from the newest intact checkpoint in RUN/checkpoints/)
 
-One trainer owns a run (RUN/owner.json, a lease with a heartbeat): a second one refuses to start, and takes
-over once the owner's heartbeat is --lease_timeout_s old (at once if the owner died on this same host).
-
 Where it departs from the GRPO paper, on purpose:
   1. Asynchronous: old_logp is the generator's own log-prob of each token (the behaviour policy, TRL's
      AsyncGRPO), so the clipped ratio is the off-policy control. --old_logp recompute takes pi_old to be the
@@ -80,11 +77,10 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
 
 @dataclass
 class Sample:
-    """One completion as the trainer sees it: prompt + completion token ids, the prompt's length, the sampler's
-    log-prob of each completion token, and the completion's advantage."""
-    ids: list[int]
+    """One completion as the trainer sees it."""
+    ids: list[int]  # prompt + completion token ids
     prompt_len: int
-    behav: list[float]
+    behav: list[float]  # the sampler's log-prob of each completion token
     adv: float
 
 
@@ -316,8 +312,8 @@ def main():
     peft_config = adapter_config(run.lora_r, run.lora_alpha, run.lora_targets, resolve_model(run.model))
 
     state = resume(storage, model, optimizer, cfg)
-    step, stats = (state["step"], state["stats"]) if state else (0, {"dropped_stale_total": 0, "dropped_zero_std_total": 0,
-                                                                      "bad_total": 0, "attribution_mismatch": 0})
+    counters = ("dropped_stale_total", "dropped_zero_std_total", "bad_total", "attribution_mismatch")
+    step, stats = (state["step"], state["stats"]) if state else (0, dict.fromkeys(counters, 0))
     same_start(params, world)
     if rank > 0:  # the other ranks only compute: rank 0 reads groups, publishes, checkpoints and logs
         while step < cfg.max_steps:

@@ -36,8 +36,7 @@ def advantages(rewards: torch.Tensor, G: int, scale_rewards: bool = True, eps: f
     adv = r - r.mean(1, keepdim=True)  # (N, G)
     if scale_rewards:
         adv = adv / (r.std(1, keepdim=True) + eps)  # unbiased std (ddof=1), the majority convention
-    constant = (r == r[:, :1]).all(1, keepdim=True)  # (N, 1)
-    return torch.where(constant, torch.zeros_like(adv), adv).view(-1)
+    return torch.where(zero_std_groups(r, G)[:, None], 0.0, adv).view(-1)
 
 
 def zero_std_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
