@@ -24,7 +24,7 @@ class SamplingParams:
     n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0  # keep 1 for training: the trainer reproduces plain temperature sampling only
+    top_p: float = 1.0  # keep the fewest best tokens whose probability reaches top_p; 1 (off) for training
     seed: int | None = None  # None: the engine's own generator
     stop_token_ids: tuple = ()  # stop on these as well as on the model's EOS ids
     logprobs: int = 0  # also return this many top alternatives per token (the sampled token is always scored)
@@ -64,9 +64,7 @@ class LogitProcessors:
         logits[stop ids] = -inf                          while fewer than min_tokens tokens are out
         logits /= rep  where seen and logits > 0, logits *= rep where seen and logits <= 0   (prompt and output)
         logits -= frequency_penalty * count + presence_penalty * (count > 0)                  (output only)
-        logp = log_softmax(logits / temperature)
-        min_p: drop the tokens less likely than min_p times the top one, renormalise
-        top_p: keep the smallest set of tokens whose probability reaches top_p, renormalise
+        logp = log_softmax(logits / temperature), then min_p and top_p (SamplingParams), each renormalised
     as vllm/model_executor/layers/utils.py (apply_penalties) and vllm/v1/sample/logits_processor/builtin.py do."""
 
     def __init__(self, rows, stops: torch.Tensor, V: int, device):
@@ -202,10 +200,9 @@ class TorchEngine:
 
 
 class StopStrings:
-    """Stop strings, checked as vLLM's detokenizer does (vllm/v1/engine/detokenizer.py, check_stop_strings): once
-    more than min_tokens tokens are out, the newly decoded characters are searched for each string; a hit ends the
-    row (its tokens are kept) and its text is cut before the string. Costs a decode per step, only for rows with
-    stop strings."""
+    """Stop strings, as vLLM's detokenizer checks them (vllm/v1/engine/detokenizer.py, check_stop_strings): once more
+    than min_tokens tokens are out, the newly decoded characters are searched for each string; a hit ends the row
+    (its tokens are kept) and cuts its text before the string. A decode per step, only for rows with stop strings."""
 
     def __init__(self, rows, decode):
         self.rows = {r: sp for r, (_, sp, _) in enumerate(rows) if sp.stop}
