@@ -79,7 +79,8 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]):
-    """check_adapter and apply_adapter for an adapter of the layers' own rank and scaling (this run's own)."""
+    """Check and write an adapter of the layers' own rank and scaling (a checkpoint of this run); as in
+    apply_adapter, layers it does not cover are switched off."""
     layer = next(iter(lora_layers(model).values()))
     check_adapter(model, state, layer.r)
     apply_adapter(model, state, layer.r, layer.scaling)

@@ -60,7 +60,7 @@ def pick_device(device: str = "auto") -> torch.device:
 
 
 def load_model(name: str, device: torch.device, dtype: str = "float32"):
-    """dtype: float32 | bfloat16 | float16."""
+    """(model in eval mode with frozen weights, tokenizer). dtype: float32 | bfloat16 | float16."""
     path = resolve_model(name)
     hf_logging.disable_progress_bar()  # one clean log line per step, no bars
     tokenizer = AutoTokenizer.from_pretrained(path)
