@@ -3,16 +3,9 @@ plain supervised learning on reverse_add until it is right only part of the time
 
     python -m minigrpo.demo                      # rewrites minigrpo/demo_model/ (about 20-60 s on a laptop CPU)
 
-Supervised learning on this task is a sharp phase transition: accuracy sits near 0 and then jumps. So the script
-stops on a held-out accuracy band (pass@1 at temperature 1), not on a step count, and the result is shipped in
-the repo: the demo's starting point does not depend on this machine's numerics.
-
-The tokenizer is a real Qwen2Tokenizer over single characters with no BPE merges. That is on purpose: for a
-`qwen2` model folder, AutoTokenizer builds a Qwen2Tokenizer from the vocab whatever tokenizer.json says, so any
-other custom tokenizer would silently get other pre-tokenization and other ids. With no merges, BPE falls back
-to one token per character, and the folder loads back exactly as it was saved (tests/test_demo.py checks it).
+The tokenizer is a real Qwen2Tokenizer with no BPE merges (one token per character): for a `qwen2` model folder,
+AutoTokenizer rebuilds that class whatever tokenizer.json says, so any other tokenizer would silently get other ids.
 """
-import argparse
 import random
 
 import torch
@@ -23,6 +16,8 @@ from minigrpo.model import DEMO_MODEL
 from minigrpo.tasks import ReverseAddition, score
 
 CHARS = "0123456789+="
+SEED, LR, MAX_STEPS = 1, 2e-3, 5000
+BAND = (0.30, 0.50)  # pass@1 at temperature 1: learning is a sharp phase transition, so stop on a band, not a step
 
 
 def build_tokenizer() -> Qwen2Tokenizer:
@@ -57,27 +52,17 @@ def supervised_batch(tokenizer, task, rng, size):
     L = max(map(len, seqs))
     pad = lambda seq, fill: seq + [fill] * (L - len(seq))  # noqa: E731
     ids = torch.tensor([pad(s, tokenizer.pad_token_id) for s in seqs])
-    labels = torch.tensor([pad([-100] * len(p.prompt) + s[len(p.prompt):], -100) for p, s in zip(rows, seqs)])
-    return ids, labels
+    return ids, torch.tensor([pad([-100] * len(p.prompt) + s[len(p.prompt):], -100) for p, s in zip(rows, seqs)])
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=DEMO_MODEL)
-    parser.add_argument("--band", type=float, nargs=2, default=(0.30, 0.50), help="stop inside this accuracy band")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--max_steps", type=int, default=5000)
-    args = parser.parse_args()
-
     torch.set_num_threads(1)  # one thread: the same numerics, so the same model, on any machine of this kind
-    tokenizer, task, rng = build_tokenizer(), ReverseAddition(), random.Random(args.seed)
-    model = build_model(tokenizer, args.seed)
+    tokenizer, task, rng = build_tokenizer(), ReverseAddition(), random.Random(SEED)
+    model = build_model(tokenizer, SEED)
     print(f"demo model: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {len(tokenizer)}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     probe, held_out = task.eval_problems(512)[:128], task.eval_problems(512)[128:]
-    model.train()
-    for step in range(1, args.max_steps + 1):
+    for step in range(1, MAX_STEPS + 1):  # a new module is in training mode
         ids, labels = supervised_batch(tokenizer, task, rng, 64)
         loss = model(input_ids=ids, labels=labels).loss
         optimizer.zero_grad()
@@ -86,17 +71,17 @@ def main():
         if step % 10 == 0:
             acc = accuracy(model, tokenizer, task, probe, seed=step)
             print(f"step {step} | loss {loss.item():.3f} | probe acc {acc:.2f}")
-            if args.band[0] <= acc <= args.band[1]:
+            if BAND[0] <= acc <= BAND[1]:
                 final = accuracy(model, tokenizer, task, held_out)
-                if args.band[0] <= final <= args.band[1]:
+                if BAND[0] <= final <= BAND[1]:
                     break
-            if acc > args.band[1]:
-                raise SystemExit(f"jumped past the band at step {step}; try a smaller --lr or another --seed")
+            if acc > BAND[1]:
+                raise SystemExit(f"jumped past the band at step {step}; try a smaller LR or another SEED")
     else:
-        raise SystemExit(f"did not reach the band {args.band} in {args.max_steps} steps")
-    model.save_pretrained(args.out)  # its generation_config takes EOS and padding from the model config
-    tokenizer.save_pretrained(args.out)
-    print(f"saved to {args.out}: held-out pass@1 {final:.3f} at temperature 1 (step {step})")
+        raise SystemExit(f"did not reach the band {BAND} in {MAX_STEPS} steps")
+    model.save_pretrained(DEMO_MODEL)  # its generation_config takes EOS and padding from the model config
+    tokenizer.save_pretrained(DEMO_MODEL)
+    print(f"saved to {DEMO_MODEL}: held-out pass@1 {final:.3f} at temperature 1 (step {step})")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,8 @@ token was actually drawn from. The trainer reproduces exactly that number, so at
     engine.generate(prompts, params)          -> list (per prompt) of lists (per sample) of Completion
 
 TorchEngine is built in (CPU or GPU): batched sampling over the LoRA-wrapped model with a KV cache. It applies
-vLLM's sampling parameters in vLLM's order (vllm/v1/sample/sampler.py): logit_bias and min_tokens, then the
-repetition, frequency and presence penalties, then temperature, min_p and top_p. The log-prob of a token is taken
-after all of them, as `vllm serve --logprobs-mode processed_logprobs` reports it. Each processor is built only
-when a row of the batch uses it, so plain temperature sampling pays for none.
+vLLM's sampling parameters in vLLM's order (vllm/v1/sample/sampler.py, LogitProcessors below) and takes the
+log-prob of a token after all of them, as `vllm serve --logprobs-mode processed_logprobs` reports it.
 """
 import inspect
 from dataclasses import dataclass
@@ -26,7 +24,7 @@ class SamplingParams:
     n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0  # keep 1 for training: the trainer reproduces plain temperature sampling only
+    top_p: float = 1.0  # keep the fewest best tokens whose probability reaches top_p; 1 (off) for training
     seed: int | None = None  # None: the engine's own generator
     stop_token_ids: tuple = ()  # stop on these as well as on the model's EOS ids
     logprobs: int = 0  # also return this many top alternatives per token (the sampled token is always scored)
@@ -51,65 +49,67 @@ class Completion:
     adapter_digest: str = ""  # lora.adapter_digest of the weights that sampled it; "" for the base model
 
 
-def per_row(rows, field: str, device, dtype=torch.float32) -> torch.Tensor:
-    """(B,) the sampling parameter `field` of each row."""
+def per_row(rows, field: str, device, dtype=torch.float32) -> torch.Tensor:  # (B,)
     return torch.tensor([getattr(sp, field) for _, sp, _ in rows], dtype=dtype, device=device)
 
 
-def nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-p: keep the smallest set of tokens whose probability reaches top_p, renormalised. logp (B, V), top_p (B,)."""
-    sorted_lp, order = logp.sort(-1, descending=True)  # (B, V)
-    mass_before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # (B, V) probability of the better tokens
-    drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, mass_before >= top_p[:, None])
-    drop &= (top_p < 1)[:, None]
-    return torch.log_softmax(logp.masked_fill(drop, float("-inf")), -1)
-
-
-def min_p_filter(logp: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Min-p: drop tokens less likely than min_p times the top one, renormalised. logp (B, V), min_p (B,)."""
-    p = logp.exp()  # (B, V)
-    drop = p < p.max(-1, keepdim=True).values * min_p[:, None]
+def renormalised(logp: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logp.masked_fill(drop, float("-inf")), -1)
 
 
 class LogitProcessors:
-    """What a batch's rows ask of the raw logits, in vLLM's order, each built only when some row uses it:
+    """From a batch's raw logits to the log-probs its tokens are sampled from, in vLLM's order, each step built only
+    when some row uses it, so plain temperature sampling pays for none:
         logits += logit_bias
         logits[stop ids] = -inf                          while fewer than min_tokens tokens are out
         logits /= rep  where seen and logits > 0, logits *= rep where seen and logits <= 0   (prompt and output)
         logits -= frequency_penalty * count + presence_penalty * (count > 0)                  (output only)
+        logp = log_softmax(logits / temperature), then min_p and top_p (SamplingParams), each renormalised
     as vllm/model_executor/layers/utils.py (apply_penalties) and vllm/v1/sample/logits_processor/builtin.py do."""
 
     def __init__(self, rows, stops: torch.Tensor, V: int, device):
-        B = len(rows)
-        self.bias = self.min_tokens = self.penalties = None
+        B, column = len(rows), lambda field: per_row(rows, field, device)[:, None]  # (B, 1)
+        self.bias = self.min_tokens = self.penalties = self.min_p = self.top_p = None
         if any(sp.logit_bias for _, sp, _ in rows):
             self.bias = torch.zeros(B, V, device=device)
             for r, (_, sp, _) in enumerate(rows):
                 for t, b in (sp.logit_bias or {}).items():
                     self.bias[r, t] = b
         if any(sp.min_tokens for _, sp, _ in rows):
-            self.min_tokens = per_row(rows, "min_tokens", device)  # (B,)
+            self.min_tokens = column("min_tokens")
             self.ban = torch.zeros(B, V, device=device).scatter_add(1, stops.clamp(min=0), (stops >= 0).float()) > 0
         if any((sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty) != (1, 0, 0) for _, sp, _ in rows):
-            self.penalties = [per_row(rows, k, device)[:, None] for k in
-                              ("repetition_penalty", "frequency_penalty", "presence_penalty")]  # 3 x (B, 1)
+            self.penalties = [column(k) for k in ("repetition_penalty", "frequency_penalty", "presence_penalty")]
             self.in_prompt = torch.zeros(B, V, dtype=torch.bool, device=device)
             for r, (p, _, _) in enumerate(rows):
                 self.in_prompt[r, p] = True
             self.counts = torch.zeros(B, V, device=device)  # (B, V) occurrences in the output so far
+        self.temperature = column("temperature").clamp(min=1e-6)  # 0 (greedy) as 1e-6
+        if any(sp.min_p > 0 for _, sp, _ in rows):
+            self.min_p = column("min_p")
+        if any(sp.top_p < 1 for _, sp, _ in rows):
+            self.top_p = column("top_p")
 
     def __call__(self, logits: torch.Tensor, t: int) -> torch.Tensor:  # (B, V) -> (B, V)
         if self.bias is not None:
             logits = logits + self.bias
         if self.min_tokens is not None:
-            logits = logits.masked_fill(self.ban & (t < self.min_tokens)[:, None], float("-inf"))
+            logits = logits.masked_fill(self.ban & (t < self.min_tokens), float("-inf"))
         if self.penalties is not None:
             rep, freq, presence = self.penalties
             penalty = torch.where(self.in_prompt | (self.counts > 0), rep, 1.0)
             logits = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = logits - freq * self.counts - presence * (self.counts > 0)
-        return logits
+        logp = torch.log_softmax(logits / self.temperature, -1)
+        if self.min_p is not None:
+            p = logp.exp()
+            logp = renormalised(logp, p < p.max(-1, keepdim=True).values * self.min_p)
+        if self.top_p is not None:
+            sorted_lp, order = logp.sort(-1, descending=True)  # (B, V)
+            mass_before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # (B, V) probability of the better tokens
+            drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, mass_before >= self.top_p)
+            logp = renormalised(logp, drop & (self.top_p < 1))
+        return logp
 
     def observe(self, tok: torch.Tensor, alive: torch.Tensor):
         if self.penalties is not None:
@@ -152,11 +152,10 @@ class TorchEngine:
         ids = torch.tensor([[self.pad_id] * (L - len(p)) + list(p) for p, _, _ in rows], device=self.device)  # (B, L)
         mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p, _, _ in rows], device=self.device)  # (B, L)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L) positions ignore the padding
-        temp, top_p, min_p = (per_row(rows, k, self.device) for k in ("temperature", "top_p", "min_p"))
-        greedy, temp, limit = temp == 0, temp.clamp(min=1e-6), per_row(rows, "max_tokens", self.device, torch.long)
-        use_min_p, use_top_p = bool((min_p > 0).any()), bool((top_p < 1).any())  # each a pass over V; top_p sorts
-        stops = [list(sp.stop_token_ids) + ([] if sp.ignore_eos else self.stop_ids) for _, sp, _ in rows]
-        stops = torch.tensor([s + [-1] * (max(map(len, stops)) - len(s)) for s in stops], dtype=torch.long,
+        greedy = per_row(rows, "temperature", self.device) == 0
+        limit = per_row(rows, "max_tokens", self.device, torch.long)
+        stop_ids = [list(sp.stop_token_ids) + ([] if sp.ignore_eos else self.stop_ids) for _, sp, _ in rows]
+        stops = torch.tensor([s + [-1] * (max(map(len, stop_ids)) - len(s)) for s in stop_ids], dtype=torch.long,
                              device=self.device)  # (B, S)
         gens = {r: torch.Generator(self.device).manual_seed(sp.seed + i) for r, (_, sp, i) in enumerate(rows)
                 if sp.seed is not None}
@@ -167,14 +166,9 @@ class TorchEngine:
         process = LogitProcessors(rows, stops, logits.shape[1], self.device)
         texts = StopStrings(rows, self.decode)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
-        stopped = torch.zeros_like(done)
         tokens, logps, alive, tops = [], [], [], []
         for t in range(int(limit.max())):
-            logp_all = torch.log_softmax(process(logits, t) / temp[:, None], -1)  # (B, V) what is sampled from
-            if use_min_p:
-                logp_all = min_p_filter(logp_all, min_p)
-            if use_top_p:
-                logp_all = nucleus(logp_all, top_p)
+            logp_all = process(logits, t)  # (B, V) what is sampled from
             sampled = (logp_all + self._noise(gens, *logp_all.shape)).argmax(-1)  # (B,)
             tok = torch.where(greedy, logp_all.argmax(-1), sampled)
             tokens.append(tok)
@@ -183,9 +177,8 @@ class TorchEngine:
                 tops.append(logp_all.topk(k, -1))
             alive.append(~done)
             process.observe(tok, ~done)
-            hit = (tok[:, None] == stops).any(1) & ~done
-            hit |= texts.check(tokens, hit | done, t) & ~done
-            stopped |= hit
+            hit = (tok[:, None] == stops).any(1)
+            hit |= texts.check(tokens, hit | done, t)
             done |= hit | (t + 1 >= limit)
             if bool(done.all()):
                 break
@@ -195,28 +188,24 @@ class TorchEngine:
 
         tokens, logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (B, T)
         lengths = torch.stack(alive, 1).sum(1).tolist()  # tokens up to the first stop or the row's limit
-        stopped = stopped.tolist()
         out = []
         for r, ((_, sp, _), n) in enumerate(zip(rows, lengths)):
             top = [dict(zip(tops[t].indices[r].tolist(), tops[t].values[r].tolist())) for t in range(n)] if k else None
-            last = tokens[r][n - 1]
-            reason = texts.reason.get(r, last if stopped[r] and last in sp.stop_token_ids else None)
-            out.append(Completion(tokens[r][:n], logps[r][:n], "stop" if stopped[r] else "length", top, reason,
-                                  texts.text.get(r), self.digest))
+            last = tokens[r][n - 1]  # a row that stopped ended on a stop id, or on a stop string
+            finish = "stop" if last in stop_ids[r] or r in texts.reason else "length"
+            reason = texts.reason.get(r, last if last in sp.stop_token_ids else None)
+            out.append(Completion(tokens[r][:n], logps[r][:n], finish, top, reason, texts.text.get(r), self.digest))
         completions = iter(out)
         return [[next(completions) for _ in range(sp.n)] for sp in params]
 
 
 class StopStrings:
-    """Stop strings, checked as vLLM's detokenizer does (vllm/v1/engine/detokenizer.py, check_stop_strings): once
-    more than min_tokens tokens are out, the newly decoded characters are searched for each string; a hit ends the
-    row (its tokens are kept) and its text is cut before the string. Costs a decode per step, only for rows with
-    stop strings."""
+    """Stop strings, as vLLM's detokenizer checks them (vllm/v1/engine/detokenizer.py, check_stop_strings): once more
+    than min_tokens tokens are out, the newly decoded characters are searched for each string; a hit ends the row
+    (its tokens are kept) and cuts its text before the string. A decode per step, only for rows with stop strings."""
 
     def __init__(self, rows, decode):
         self.rows = {r: sp for r, (_, sp, _) in enumerate(rows) if sp.stop}
-        if self.rows and decode is None:
-            raise ValueError("stop strings need an engine built with decode=")
         self.decode, self.seen, self.reason, self.text = decode, {r: "" for r in self.rows}, {}, {}
 
     def check(self, tokens: list[torch.Tensor], ended: torch.Tensor, t: int) -> torch.Tensor:
@@ -231,7 +220,7 @@ class StopStrings:
             text = self.decode(ids[r])
             new, self.seen[r] = len(text) - len(self.seen[r]), text
             for s in sp.stop if t + 1 > sp.min_tokens else ():
-                i = text.find(s, max(0, len(text) + 1 - new - len(s))) if new else -1
+                i = text.find(s, max(0, len(text) + 1 - new - len(s)))
                 if i >= 0:
                     hit[r], self.reason[r], self.text[r] = True, s, text[:i]
                     break

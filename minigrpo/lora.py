@@ -5,8 +5,7 @@
 
 Only the LoRA matrices train; the base weights stay frozen. Adapters are saved and loaded in PEFT's directory
 format (adapter_config.json + adapter_model.safetensors, keys `base_model.model.<module>.lora_A.weight`), so
-peft and vLLM load ours and we load theirs. An adapter's digest, the first 16 hex digits of the SHA-256 of its
-adapter_model.safetensors bytes, names the exact weights that sampled a completion (policy attribution).
+peft and vLLM load ours and we load theirs.
 """
 import contextlib
 import hashlib
@@ -80,10 +79,8 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]):
-    """Copy an adapter of the layers' own rank and scaling into them; every layer must be covered."""
-    missing = sorted(lora_state_dict(model).keys() - state.keys())
-    if missing:
-        raise ValueError(f"adapter does not fit the model: missing {missing[:3]}")
+    """Check and write an adapter of the layers' own rank and scaling (a checkpoint of this run); as in
+    apply_adapter, layers it does not cover are switched off."""
     layer = next(iter(lora_layers(model).values()))
     check_adapter(model, state, layer.r)
     apply_adapter(model, state, layer.r, layer.scaling)
@@ -138,13 +135,13 @@ def adapter_files(state: dict[str, torch.Tensor], config: dict) -> dict[str, byt
             "adapter_model.safetensors": save(tensors, metadata={"format": "pt"})}
 
 
-def save_adapter(path: str, state: dict[str, torch.Tensor], config: dict):
-    """Write a PEFT adapter directory to a local path or a storage URL (a run's adapters: adapters.py)."""
+def save_adapter(path: str, state: dict[str, torch.Tensor], config: dict):  # a local path or a storage URL
     Storage(str(path)).put_many(adapter_files(state, config))
 
 
 def adapter_digest(weights: bytes) -> str:
-    """Which weights these are: sha256 of the adapter_model.safetensors bytes, 16 hex digits. The base model is ""."""
+    """Names the exact weights that sampled a completion (policy attribution): the first 16 hex digits of the
+    SHA-256 of the adapter_model.safetensors bytes. The base model is ""."""
     return hashlib.sha256(weights).hexdigest()[:16]
 
 
@@ -163,9 +160,8 @@ def check_config(config: dict) -> tuple[int, float]:
 
 
 def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor], str]:
-    """(config, tensors, digest) of a PEFT adapter directory, with errors that name the directory:
-    FileNotFoundError without adapter_config.json, ValueError for anything else wrong with it. A local path
-    or a storage URL (s3://...)."""
+    """(config, tensors, digest) of a PEFT adapter directory (a local path or a storage URL), with errors that name
+    it: FileNotFoundError without adapter_config.json, ValueError for anything else wrong with it."""
     path = path.rstrip("/")
     try:
         config = json.loads(read_bytes(f"{path}/adapter_config.json"))

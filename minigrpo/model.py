@@ -16,10 +16,9 @@ DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_mode
 
 def packed_attention(module, query, key, value, attention_mask, position_ids=None, **kwargs):
     """transformers' SDPA attention, except on a packed row (no mask; position ids restart at 0 where each sequence
-    starts): there each sequence attends causally to itself alone, so no score between two sequences is computed
-    (a block-diagonal mask would compute all N x N of them and discard most). Sequences of one length share one
-    SDPA call, stacked as a batch. On GPUs, attn_implementation="flash_attention_2" does the same from the same
-    position ids (varlen kernels)."""
+    starts): there each sequence attends causally to itself alone, sequences of one length stacked in one SDPA call,
+    where a block-diagonal mask would compute all N x N scores and discard most. On GPUs, attn_implementation=
+    "flash_attention_2" does the same from the same position ids (varlen kernels)."""
     N = query.shape[2]  # query (1, heads, N, head_dim)
     if attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != N:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -57,9 +56,7 @@ def pick_device(device: str = "auto") -> torch.device:
         return torch.device(device)
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
 
 
 def load_model(name: str, device: torch.device, dtype: str = "float32"):
@@ -130,23 +127,18 @@ class HeadLogprobs(torch.autograd.Function):
 
 
 def sequence_logprobs(model, input_ids, attention_mask, temperature: float, position_ids=None):
-    """log pi(x_t | x_<t) for t >= 1 in float32 from logits / temperature, and the per-token entropy.
-
-    input_ids: (B, L), right-padded with attention_mask (B, L); or packed sequences, one after another in a row,
-    with attention_mask None and position_ids (B, L) restarting at 0 where each sequence starts (load_model's
-    attention runs each sequence alone; transformers' own masks attention between them). Returns logp (B, L-1)
-    with gradient, entropy (B, L-1) without. Position t-1 predicts token t, hence the shift by one. The output
-    head must be a frozen bias-free nn.Linear (Qwen, Llama, Mistral and most causal LMs; LoRA leaves it frozen).
-    """
+    """log pi(x_t | x_<t) for t >= 1 in float32 from logits / temperature, with gradient, and the per-token entropy
+    without: (B, L-1) each, position t-1 predicting token t. input_ids (B, L) are right-padded with attention_mask,
+    or packed (attention_mask None, position_ids restarting at 0 where each sequence starts). The output head must
+    be a frozen bias-free nn.Linear (Qwen, Llama, Mistral and most causal LMs; LoRA leaves it frozen)."""
     head = model.get_output_embeddings()
     trained = head.weight.requires_grad and torch.is_grad_enabled()
     if not isinstance(head, torch.nn.Linear) or head.bias is not None or trained:
         raise ValueError(f"sequence_logprobs needs a frozen bias-free linear output head, got {head}")
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               use_cache=False).last_hidden_state[:, :-1]  # (B, L-1, H)
-    B, L1, H = hidden.shape
-    logp, entropy = HeadLogprobs.apply(hidden.reshape(B * L1, H), head.weight, input_ids[:, 1:].reshape(-1), temperature)
-    return logp.view(B, L1), entropy.view(B, L1)
+    logp, entropy = HeadLogprobs.apply(hidden.flatten(0, 1), head.weight, input_ids[:, 1:].flatten(), temperature)
+    return logp.view(hidden.shape[:2]), entropy.view(hidden.shape[:2])
 
 
 def packed_logprobs(model, ids, pos, where, temperature: float):

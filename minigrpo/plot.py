@@ -1,12 +1,6 @@
 """A picture of a run: the dashboard to read when a run learns slowly or one side waits on the other.
 
     python -m minigrpo.plot runs/demo                  # writes ./dashboard.png (RUN may be a URL too)
-
-Panels: reward and eval accuracy; the policy ratio and clip fractions; staleness, what was dropped and the
-health of the importance weights (effective sample size, trainer-sampler KL); where each
-step's time went (forward+backward, waiting for rollouts, weight sync); the rollout queue against the generators'
-backpressure (a full queue with backpressure: the trainer is the bottleneck; an empty one with rollout wait: the
-generators are); entropy and completion length.
 """
 import argparse
 
@@ -18,6 +12,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from minigrpo.run import latest_per_step, read_records  # noqa: E402
 from minigrpo.storage import Storage  # noqa: E402
+
+
+def right_axis(panel, title: str, curves: list[tuple], loc="upper right"):
+    """Title a panel and draw curves (x, y, label, colour) on a second y axis with a legend of their own."""
+    twin = panel.twinx()
+    for x, y, label, colour in curves:
+        twin.plot(x, y, color=colour, lw=0.8, label=label)
+    twin.legend(loc=loc, fontsize=8)
+    panel.set_title(title)
 
 
 def plot_run(run_dir: str, out: str) -> str:
@@ -39,20 +42,15 @@ def plot_run(run_dir: str, out: str) -> str:
     ratio.plot(x, col("ratio/mean"), label="ratio/mean")
     ratio.fill_between(x, col("ratio/min"), col("ratio/max"), alpha=0.2, label="ratio min..max")
     ratio.set_yscale("log")  # a ratio is multiplicative: 2x and 0.5x sit at the same distance from 1
-    b = ratio.twinx()
-    b.plot(x, col("clip_ratio/low"), color="C2", lw=0.8, label="clip_ratio/low")
-    b.plot(x, col("clip_ratio/high"), color="C3", lw=0.8, label="clip_ratio/high")
-    b.legend(loc="upper right", fontsize=8)
-    ratio.set_title("policy ratio pi/mu and clipped fractions")
+    right_axis(ratio, "policy ratio pi/mu and clipped fractions",
+               [(x, col(f"clip_ratio/{side}"), f"clip_ratio/{side}", c) for side, c in (("low", "C2"), ("high", "C3"))])
 
     stale.plot(x, col("sample/staleness_mean"), label="staleness mean")
     stale.plot(x, col("sample/staleness_max"), label="staleness max")
     stale.plot(x, col("sample/dropped_stale_total"), label="dropped stale (total)")
-    b = stale.twinx()
-    b.plot(x, col("health/ess_frac"), color="C4", lw=0.8, label="health/ess_frac (1 = on-policy)")
-    b.plot(x, col("health/mismatch_kl"), color="C5", lw=0.8, label="health/mismatch_kl")
-    b.legend(loc="upper right", fontsize=8)
-    stale.set_title("staleness (versions behind) and off-policy health")
+    right_axis(stale, "staleness (versions behind) and off-policy health",
+               [(x, col("health/ess_frac"), "health/ess_frac (1 = on-policy)", "C4"),
+                (x, col("health/mismatch_kl"), "health/mismatch_kl", "C5")])
 
     parts = {"perf/fwd_bwd_s": "forward+backward", "perf/rollout_wait_s": "rollout wait",
              "perf/weight_sync_s": "weight sync"}
@@ -61,22 +59,18 @@ def plot_run(run_dir: str, out: str) -> str:
     timing.set_title("where a step's time goes (s)")
 
     queue.plot(x, col("sample/rollout_queue_size"), label="groups waiting for the trainer")
-    gens = read_records(storage, "generate-")
-    t0 = steps[0]["time"] if steps else 0
-    b = queue.twinx()
-    for name in sorted({r.get("generator", "") for r in gens}):  # cumulative backpressure against wall time
-        g = [r for r in gens if r.get("generator", "") == name and r["time"] >= t0]
-        at = np.interp([r["time"] for r in g], [r["time"] for r in steps], x)  # wall time -> step axis
+    gens = [r for r in read_records(storage, "generate-") if steps and r["time"] >= steps[0]["time"]]
+    backpressure = []  # each generator's cumulative backpressure, its wall time put on the step axis
+    for name in sorted({r.get("generator", "") for r in gens}):
+        g = [r for r in gens if r.get("generator", "") == name]
+        at = np.interp([r["time"] for r in g], [r["time"] for r in steps], x)
         cum = np.cumsum([r["rollout/backpressure_s"] for r in g])
-        b.plot(at, cum, color="C3", lw=0.8, label=f"backpressure s (cum.) {name}")
-    b.legend(loc="lower right", fontsize=8)
-    queue.set_title("rollout queue against generator backpressure")
+        backpressure.append((at, cum, f"backpressure s (cum.) {name}", "C3"))
+    right_axis(queue, "rollout queue against generator backpressure", backpressure, loc="lower right")
 
     entropy.plot(x, col("entropy"), label="entropy (nats/token)")
-    b = entropy.twinx()
-    b.plot(x, col("completions/mean_length"), color="C1", lw=0.8, label="completion length")
-    b.legend(loc="upper right", fontsize=8)
-    entropy.set_title("entropy and completion length")
+    right_axis(entropy, "entropy and completion length",
+               [(x, col("completions/mean_length"), "completion length", "C1")])
 
     for a in ax.flat:
         a.set_xlabel("step")

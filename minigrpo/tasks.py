@@ -4,10 +4,9 @@ reverse_add, the demo task: "12+34=" -> "64", the sum 46 written backwards. The 
 built-in model is right only some of the time, and writing digits in reverse order makes the carry local, so
 a 2-layer model can learn it.
 
-math: problems with reference answers from a JSONL or Parquet file (local, or hf://datasets/OWNER/NAME/FILE,
-downloaded once). The reward is 1 when the last \\boxed{...} of the completion (after the one </think> of a
-reasoning model) equals the reference: math-verify decides where it is installed, with a timeout; a normalised
-comparison (spacing, \\left/\\right, \\dfrac, \\text{}, degrees, numbers and fractions) decides otherwise.
+math: problems from --task_data (README, "Real models"). The reward is 1 when the last \\boxed{...} of the
+completion (after the one </think> of a reasoning model) equals the reference: by math-verify where it is
+installed, else by a normalised comparison (spacing, \\left/\\right, \\dfrac, \\text{}, degrees, numbers).
 """
 import json
 import math
@@ -48,16 +47,12 @@ class ReverseAddition:
 
 
 def read_rows(path: str) -> list[dict]:
-    """Rows of a .jsonl or .parquet file; hf://datasets/OWNER/NAME/FILE is downloaded once into the hub cache."""
     if path.startswith("hf://datasets/"):
         from huggingface_hub import hf_hub_download
         owner, name, filename = path.removeprefix("hf://datasets/").split("/", 2)
         path = hf_hub_download(f"{owner}/{name}", filename, repo_type="dataset")
     if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise SystemExit(f"reading {path} needs pyarrow: pip install pyarrow (or convert it to JSONL)")
+        import pyarrow.parquet as pq  # not in requirements.txt: pip install pyarrow
         return pq.read_table(path).to_pylist()
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -77,34 +72,29 @@ def last_boxed(text: str) -> str | None:
 
 
 def normalize(answer: str) -> str:
-    s = re.sub(r"\\text\{([^}]*)\}", r"\1", answer)
-    for old, new in (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\left", ""), ("\\right", ""), ("\\!", ""),
-                     ("\\,", ""), ("^\\circ", ""), ("^{\\circ}", ""), ("$", ""), (" ", "")):
-        s = s.replace(old, new)
-    return s.rstrip(".").strip()
+    s = re.sub(r"\\text\{([^}]*)\}", r"\1", answer)  # \text{12} -> 12
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    return re.sub(r"\\left|\\right|\\!|\\,|\^\{?\\circ\}?|\$|\s", "", s).rstrip(".")
 
 
-def as_number(s: str) -> float | None:
+def as_number(s: str) -> float:  # nan when s is not a number
     m = re.fullmatch(r"(-?)\\frac\{?(-?[\d.]+)\}?\{?(-?[\d.]+)\}?", s) or re.fullmatch(r"(-?)([\d.]+)/([\d.]+)", s)
     try:
         if m:
             return (-1 if m.group(1) else 1) * float(m.group(2)) / float(m.group(3))
         return float(s.replace(",", ""))
     except (ValueError, ZeroDivisionError):
-        return None
+        return math.nan
 
 
 def math_reward(completion: str, answer: str, reasoning: bool = False) -> float:
-    if reasoning:  # grade only what follows the single end of thinking; no answer without it
-        if completion.count("</think>") != 1:
-            return 0.0
-        completion = completion.split("</think>")[1]
-    pred = last_boxed(completion)
+    if reasoning and completion.count("</think>") != 1:  # grade only what follows the single end of thinking
+        return 0.0
+    pred = last_boxed(completion.split("</think>")[1] if reasoning else completion)
     if pred is None:
         return 0.0
     a, b = normalize(pred), normalize(answer)
-    x, y = as_number(a), as_number(b)
-    if a == b or (x is not None and y is not None and math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9)):
+    if a == b or math.isclose(as_number(a), as_number(b), rel_tol=1e-6, abs_tol=1e-9):
         return 1.0
     if math_verify is not None:  # symbolic equivalence; its own timeouts keep a pathological answer from blocking
         gold = math_verify.parse(f"${answer}$", parsing_timeout=1)
@@ -138,7 +128,6 @@ class MathTask:
 
 
 def make_task(run) -> "ReverseAddition | MathTask":
-    """The task named by the run settings (RunSettings: task, task_data, task_fields, reasoning)."""
     if run.task == "reverse_add":
         return ReverseAddition()
     if run.task == "math":
