@@ -110,7 +110,7 @@ class Server:
     # ---- checking a request ----
     async def start(self, request: web.Request, route: str) -> tuple[dict, str, int]:
         """What every sampling request is checked for first: (body, the model asked for, n)."""
-        body = await P.read_json(request, self.cfg.body_timeout_s)
+        body = P.parse_json(await request.read())
         unknown = sorted(body.keys() - FIELDS[route])
         if unknown:
             raise P.BadRequest(f"{unknown[0]} is not supported by this server", unknown[0])
@@ -279,7 +279,7 @@ class Server:
     async def load_lora(self, request: web.Request):
         if request.content_type != "application/json":
             return P.error(400, "Unsupported Media Type: Only 'application/json' is allowed")
-        body = await P.read_json(request, self.cfg.body_timeout_s)
+        body = P.parse_json(await request.read())
         name, path = body.get("lora_name"), body.get("lora_path")
         invalid = lambda message, param=None: P.error(400, message, "InvalidUserInput", param)
         if not name or not path or not isinstance(name, str) or not isinstance(path, str):
@@ -309,7 +309,7 @@ class Server:
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora(self, request: web.Request):
-        name = (await P.read_json(request, self.cfg.body_timeout_s)).get("lora_name")
+        name = P.parse_json(await request.read()).get("lora_name")
         if not name or not isinstance(name, str):
             return P.error(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
         if name not in self.scheduler.adapters:
@@ -351,7 +351,8 @@ class Server:
                                   "vllm_env": {"VLLM_SERVER_DEV_MODE": True, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}})
 
 def make_app(server: Server, api_key: str = "") -> web.Application:
-    app = web.Application(middlewares=[P.guard(api_key)], client_max_size=server.cfg.max_body_mb * 2**20)
+    app = web.Application(middlewares=[P.guard(api_key, server.cfg.body_timeout_s)],
+                          client_max_size=server.cfg.max_body_mb * 2**20)
 
     def fixed(make):  # a route whose answer needs no work
         async def handler(request):
