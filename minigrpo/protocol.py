@@ -118,6 +118,8 @@ def guard(api_key: str, body_timeout_s: float):
             return error(413, e.text)
         except web.HTTPException as e:  # unknown route or method: FastAPI's plain JSON, as vLLM answers
             return web.json_response({"detail": e.reason}, status=e.status)
+        except Exception as e:  # noqa: BLE001 -- a failed engine call: a 500 with vLLM's body, and the server goes on
+            return error(500, f"{type(e).__name__}: {e}", "InternalServerError")
     return middleware
 
 

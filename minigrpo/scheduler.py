@@ -1,7 +1,7 @@
 """The server's batching scheduler: requests that arrive together share a batch, fairly, one adapter at a time.
 
     scheduler.add(name, Adapter(path, created), scheduler.read(path))   register a checked adapter
-    await scheduler.submit(model, prompts, params)   -> per prompt, a list of n Completions, or the exception
+    await scheduler.submit(model, prompts, params)   -> per prompt, a list of n Completions (or it raises)
     scheduler.run()                  the worker task; pause(mode) and resume() as vLLM's /pause and /resume
 
 A request is cut into one unit per prompt (its n rows). Each round takes one unit from each waiting request in
@@ -39,7 +39,7 @@ class Job:
     def fail(self, e: Exception):
         self.waiting.clear()
         if not self.future.done():
-            self.future.set_result(e)
+            self.future.set_exception(e)
 
 
 class Scheduler:

@@ -3,18 +3,11 @@
     python -m minigrpo.serve --port 8001                                   # the built-in demo model
     python -m minigrpo.serve --model Qwen/Qwen2.5-0.5B --device cuda --port 8001 --api_key KEY
 
-It answers like `vllm serve --enable-lora` with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, VLLM_SERVER_DEV_MODE=1 and
---logprobs-mode processed_logprobs: /v1/completions and /v1/chat/completions (the tokenizer's chat template),
-runtime LoRA load/unload with vLLM's status codes and messages, /v1/models, /health, /ping, /version, /pause,
-/resume, /is_paused, /reset_prefix_cache, /server_info and /get_world_size. Batching is minigrpo/scheduler.py;
-the wire rules shared with the proxy are minigrpo/protocol.py.
-
-Every request is checked whole before it joins a batch, against the model (vocabulary size, max_model_len) and
-the server's limits (body size, --max_request_rows), and a bad one is a 400 whose `param` names the field. Where
-vLLM would ignore a field, this server refuses it by name, so nothing is silently ignored. Each choice names the
-adapter that sampled it and its weights' digest (`adapter`, `adapter_digest`, and the X-Adapter-* headers).
-
-Left out on purpose, each refused by name: streaming, echo, prompt_logprobs, top_k, include_stop_str_in_output.
+It answers like `vllm serve --enable-lora --logprobs-mode processed_logprobs` with VLLM_SERVER_DEV_MODE=1 and
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; README.md ("Many replicas") lists what a client gets. Batching is
+minigrpo/scheduler.py; the wire rules shared with the proxy are minigrpo/protocol.py. Every request is checked
+whole before it joins a batch, and a field vLLM would ignore, or one not implemented here (streaming, echo,
+prompt_logprobs, top_k, include_stop_str_in_output), is refused by name: nothing is silently ignored.
 """
 import asyncio
 import math
@@ -29,7 +22,7 @@ from transformers import HfArgumentParser
 
 from minigrpo import protocol as P
 from minigrpo.engine import SamplingParams, TorchEngine
-from minigrpo.lora import DEFAULT_TARGETS, inject_lora, lora_layers
+from minigrpo.lora import DEFAULT_TARGETS, inject_lora
 from minigrpo.model import load_model, pick_device, stop_token_ids
 from minigrpo.remote import MAX_LORA_RANKS
 from minigrpo.scheduler import Adapter, Scheduler
@@ -97,7 +90,6 @@ class Server:
         self.cfg, self.name = cfg, cfg.model
         self.model, self.tokenizer = load_model(cfg.model, pick_device(cfg.device), cfg.dtype)
         inject_lora(self.model, cfg.max_lora_rank, cfg.max_lora_rank, DEFAULT_TARGETS)  # served at rank <= max
-        self.targets = sorted({n.rsplit(".", 1)[-1] for n in lora_layers(self.model)})
         self.decode = lambda ids, skip=True: self.tokenizer.decode(ids, skip_special_tokens=skip)
         engine = TorchEngine(self.model, stop_token_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
                              cfg.seed, self.decode)
@@ -217,7 +209,7 @@ class Server:
             "logprobs": self.completion_logprobs(c, name) if body.get("logprobs") is not None else None,
             "prompt_logprobs": None, "routed_experts": None,
             "prompt_token_ids": prompt if body.get("return_token_ids") else None}
-            for prompt, group in zip(prompts, out if not isinstance(out, Exception) else []) for c in group]
+            for prompt, group in zip(prompts, out) for c in group]
         return self.respond(out, prompts, model, {"object": "text_completion", "choices": choices,
                                                   "ec_transfer_params": None, "metrics": None}, "cmpl")
 
@@ -230,7 +222,7 @@ class Server:
         prompts = await self.chat_prompt(body)
         out = await self.scheduler.submit(model, prompts, self.sampling(body, prompts, n, top))
         choices = []
-        for c in out[0] if not isinstance(out, Exception) else []:
+        for c in out[0]:
             choice = self.choice(c, body, model)
             message = {"role": "assistant", "content": choice.pop("text"), "tool_calls": []}
             choices.append(choice | {"message": message, "logprobs": self.chat_logprobs(c, top) if logprobs else None})
@@ -261,8 +253,6 @@ class Server:
                             for t, lp, alts in zip(c.token_ids, c.logprobs, alternatives)]}
 
     def respond(self, out, prompts: list[list[int]], model: str, body: dict, prefix: str) -> web.Response:
-        if isinstance(out, Exception):
-            return P.error(500, f"{type(out).__name__}: {out}", "InternalServerError")
         completion = sum(len(c.token_ids) for group in out for c in group)
         prompt_tokens = sum(map(len, prompts))  # once per prompt, whatever n is
         digest = ",".join(dict.fromkeys(c.adapter_digest for g in out for c in g if c.finish_reason != "abort"))
@@ -277,8 +267,6 @@ class Server:
 
     # ---- runtime LoRA ----
     async def load_lora(self, request: web.Request):
-        if request.content_type != "application/json":
-            return P.error(400, "Unsupported Media Type: Only 'application/json' is allowed")
         body = P.parse_json(await request.read())
         name, path = body.get("lora_name"), body.get("lora_path")
         invalid = lambda message, param=None: P.error(400, message, "InvalidUserInput", param)
@@ -338,14 +326,11 @@ class Server:
         return web.json_response({"status": "resumed"})
 
     async def server_info(self, request):
-        config = {"model_config": {"model": self.cfg.model, "served_model_name": self.name,
-                                   "dtype": f"torch.{self.cfg.dtype}", "max_model_len": self.max_model_len,
-                                   "logprobs_mode": "processed_logprobs"},
-                  "cache_config": {"block_size": 16, "enable_prefix_caching": False},
+        """vLLM's config in its layout, only the fields a client reads to size its requests."""
+        config = {"model_config": {"model": self.cfg.model, "max_model_len": self.max_model_len,
+                                   "max_logprobs": MAX_LOGPROBS, "logprobs_mode": "processed_logprobs"},
                   "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
-                  "lora_config": {"max_lora_rank": self.cfg.max_lora_rank, "max_loras": self.cfg.max_loras,
-                                  "max_cpu_loras": self.cfg.max_cpu_loras, "lora_dtype": "torch.float32",
-                                  "fully_sharded_loras": False, "target_modules": self.targets}}
+                  "lora_config": {k: getattr(self.cfg, k) for k in ("max_lora_rank", "max_loras", "max_cpu_loras")}}
         as_json = request.query.get("config_format") == "json"
         return web.json_response({"vllm_config": config if as_json else str(config), "system_env": {},
                                   "vllm_env": {"VLLM_SERVER_DEV_MODE": True, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}})
