@@ -19,7 +19,7 @@ import collections
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
@@ -38,9 +38,7 @@ class ProxyConfig:
     api_key: str = field(default="", metadata={"help": "clients must send 'Authorization: Bearer KEY' (or env MINIGRPO_API_KEY)"})
     no_auth: bool = field(default=False, metadata={"help": "run without a client key (only on a trusted network)"})
     upstream_token: str = field(default="", metadata={"help": "bearer token sent to the replicas (default: env HF_TOKEN)"})
-    block_size: int = field(default=16, metadata={"help": "tokens per hashed prefix block"})
     imbalance: int = field(default=8, metadata={"help": "affinity only while a replica is at most this many requests ahead"})
-    max_blocks: int = field(default=500_000, metadata={"help": "bound on the router's block table"})
     load_timeout_s: float = field(default=300.0, metadata={"help": "keep retrying 'No adapter found' this long"})
     retry_s: float = field(default=2.0, metadata={"help": "interval between those retries"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "a replica that takes longer gets a 504"})
@@ -60,7 +58,7 @@ def reply(a: Answer, headers: dict | None = None) -> web.Response:
 class Proxy:
     def __init__(self, cfg: ProxyConfig):
         self.cfg, self.upstreams = cfg, [u.rstrip("/") for u in cfg.upstream]
-        self.router = PrefixRouter(len(self.upstreams), cfg.block_size, cfg.imbalance, cfg.max_blocks)
+        self.router = PrefixRouter(len(self.upstreams), imbalance=cfg.imbalance)
         self.inflight, self.routed = [0] * len(self.upstreams), [0] * len(self.upstreams)
         self.auth = P.bearer(cfg.upstream_token or os.environ.get("HF_TOKEN", ""))
         self.loading = collections.defaultdict(asyncio.Lock)  # one load per adapter name at a time
@@ -90,7 +88,6 @@ class Proxy:
         return web.Response(status=status or first.status, text=f"proxy: {len(bad)}/{len(answers)} servers {what}; "
                             f"first: {self.upstreams[bad[0]]} -> {first.status} {text}")
 
-    # ---- routes ----
     async def forward(self, request: web.Request, first: int | None = None):
         """To replica `first`, else the least busy; the next one only if it cannot be reached at all."""
         for i in sorted(range(len(self.upstreams)), key=lambda i: (i != first, self.inflight[i])):
@@ -145,26 +142,16 @@ class Proxy:
             return self.failure("unhealthy" if request.method == "GET" else f"failed {request.path}", answers, bad)
         return reply(next((a for a in answers if a.status == 200), answers[0]))
 
+    async def connect(self, app: web.Application):
+        """The session to the replicas, open while the proxy serves (an aiohttp cleanup context)."""
+        timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s, sock_connect=10)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
+        yield
+        await self.session.close()
+
     async def stats(self, request: web.Request):
         upstreams = [{"url": u, "inflight": f, "routed": r} for u, f, r in zip(self.upstreams, self.inflight, self.routed)]
         return web.json_response({"upstreams": upstreams, "router": self.router.stats()})
-
-
-def make_app(proxy: Proxy, api_key: str) -> web.Application:
-    app = web.Application(middlewares=[P.guard(api_key, proxy.cfg.body_timeout_s)],
-                          client_max_size=proxy.cfg.max_body_mb * 2**20)
-    app.add_routes([web.post(P.COMPLETIONS, proxy.completions), web.post(P.CHAT, proxy.completions),
-                    web.post(P.LOAD, proxy.load_lora), *[web.post(p, proxy.everywhere) for p in P.EVERY_REPLICA],
-                    *[web.get(p, proxy.everywhere) for p in (P.HEALTH, P.PING)], web.get("/proxy/stats", proxy.stats),
-                    web.route("*", "/{tail:.*}", proxy.forward)])
-
-    async def session(app):
-        timeout = aiohttp.ClientTimeout(total=proxy.cfg.request_timeout_s, sock_connect=10)
-        proxy.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
-        yield
-        await proxy.session.close()
-    app.cleanup_ctx.append(session)
-    return app
 
 
 def main():
@@ -174,9 +161,12 @@ def main():
         raise SystemExit("give at least one replica: --upstream http://HOST:PORT (repeat for each)")
     if not api_key and not cfg.no_auth:
         raise SystemExit("set --api_key KEY (or MINIGRPO_API_KEY), or pass --no_auth to run without client auth")
-    shown = asdict(cfg) | {"api_key": "***" if api_key else "", "upstream_token": "***" if cfg.upstream_token else ""}
-    print(f"proxy on http://{cfg.host}:{cfg.port} -> {len(cfg.upstream)} replicas\n  {shown}", flush=True)
-    P.run(make_app(Proxy(cfg), api_key), cfg.host, cfg.port, cfg.header_timeout_s)
+    proxy = Proxy(cfg)
+    routes = [web.post(P.COMPLETIONS, proxy.completions), web.post(P.CHAT, proxy.completions),
+              web.post(P.LOAD, proxy.load_lora), *[web.post(p, proxy.everywhere) for p in P.EVERY_REPLICA],
+              *[web.get(p, proxy.everywhere) for p in (P.HEALTH, P.PING)], web.get("/proxy/stats", proxy.stats),
+              web.route("*", "/{tail:.*}", proxy.forward)]
+    P.run(cfg, api_key, routes, proxy.connect, f"proxy -> {len(cfg.upstream)} replicas")
 
 
 if __name__ == "__main__":

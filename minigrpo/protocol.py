@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import resource
+from dataclasses import asdict
 
 from aiohttp import web
 
@@ -123,9 +124,15 @@ def guard(api_key: str, body_timeout_s: float):
     return middleware
 
 
-def run(app: web.Application, host: str, port: int, header_timeout_s: float):
-    """Serve until interrupted. aiohttp closes a connection that has not sent a whole request within its keep-alive
-    timeout (idle ones too), which makes that timeout the header timeout. The file limit goes up to the hard cap."""
+def run(cfg, api_key: str, routes: list, context, banner: str):
+    """Serve `routes` behind guard() until interrupted, inside `context` (an aiohttp cleanup context). aiohttp closes
+    a connection that has not sent a whole request within its keep-alive timeout (idle ones too), which makes that
+    timeout the header timeout. The file limit goes up to the hard cap. Keys are never printed."""
+    app = web.Application(middlewares=[guard(api_key, cfg.body_timeout_s)], client_max_size=cfg.max_body_mb * 2**20)
+    app.add_routes(routes)
+    app.cleanup_ctx.append(context)
+    shown = {k: "***" if v and k in ("api_key", "upstream_token") else v for k, v in asdict(cfg).items()}
+    print(f"{banner} on http://{cfg.host}:{cfg.port}\n  {shown}", flush=True)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))
-    web.run_app(app, host=host, port=port, print=None, keepalive_timeout=header_timeout_s)
+    web.run_app(app, host=cfg.host, port=cfg.port, print=None, keepalive_timeout=cfg.header_timeout_s)

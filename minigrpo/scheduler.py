@@ -56,7 +56,6 @@ class Scheduler:
         self.resumed.set()
         self.paused = None  # None, or the pause mode
 
-    # ---- adapters ----
     def read(self, path: str) -> Weights:
         """Read and check an adapter whole (FileNotFoundError, or ValueError with vLLM's reason); writes nothing."""
         config, tensors, digest = read_adapter(path)
@@ -93,7 +92,6 @@ class Scheduler:
         apply_adapter(self.model, w.tensors, w.r, w.scaling)
         self.engine.digest, self.active = w.digest, target
 
-    # ---- requests ----
     async def submit(self, model: str, prompts: list[list[int]], params: SamplingParams):
         job = Job(model, prompts, params, asyncio.get_running_loop().create_future())
         self.jobs.append(job)

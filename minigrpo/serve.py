@@ -14,7 +14,7 @@ import math
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from aiohttp import web
@@ -99,7 +99,6 @@ class Server:
         # a text longer than this cannot fit in max_model_len tokens: refused before it is tokenized
         self.max_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
 
-    # ---- checking a request ----
     async def start(self, request: web.Request, route: str) -> tuple[dict, str, int]:
         """What every sampling request is checked for first: (body, the model asked for, n)."""
         body = P.parse_json(await request.read())
@@ -197,7 +196,6 @@ class Server:
                                f"Vocabulary size: {self.vocab}", "logit_bias")
         return {int(k): min(100.0, max(-100.0, float(v))) for k, v in bias.items()}
 
-    # ---- /v1/completions and /v1/chat/completions ----
     async def completions(self, request: web.Request):
         body, model, n = await self.start(request, P.COMPLETIONS)
         logprobs = number(body, "logprobs", 0, 0, min(MAX_LOGPROBS, self.vocab), integer=True)
@@ -265,7 +263,6 @@ class Server:
                       "completion_tokens_details": None}},
             headers={P.ADAPTER_HEADER: model, P.DIGEST_HEADER: digest})
 
-    # ---- runtime LoRA ----
     async def load_lora(self, request: web.Request):
         body = P.parse_json(await request.read())
         name, path = body.get("lora_name"), body.get("lora_path")
@@ -305,7 +302,6 @@ class Server:
         self.scheduler.remove(name)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
-    # ---- models, health, dev mode ----
     async def models(self, request):
         def card(id_, root, parent, max_len, created):
             return {"id": id_, "object": "model", "created": created, "owned_by": "vllm", "root": root,
@@ -335,39 +331,32 @@ class Server:
         return web.json_response({"vllm_config": config if as_json else str(config), "system_env": {},
                                   "vllm_env": {"VLLM_SERVER_DEV_MODE": True, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}})
 
-def make_app(server: Server, api_key: str = "") -> web.Application:
-    app = web.Application(middlewares=[P.guard(api_key, server.cfg.body_timeout_s)],
-                          client_max_size=server.cfg.max_body_mb * 2**20)
-
-    def fixed(make):  # a route whose answer needs no work
-        async def handler(request):
-            return make()
-        return handler
-
-    app.add_routes([
-        web.post(P.COMPLETIONS, server.completions), web.post(P.CHAT, server.chat),
-        web.post(P.LOAD, server.load_lora), web.post(P.UNLOAD, server.unload_lora), web.get(P.MODELS, server.models),
-        web.get(P.HEALTH, fixed(web.Response)), web.route("*", P.PING, fixed(web.Response)),
-        web.get(P.VERSION, fixed(lambda: web.json_response({"version": VERSION}))),
-        web.post(P.PAUSE, server.pause), web.post(P.RESUME, server.resume),
-        web.get(P.IS_PAUSED, fixed(lambda: web.json_response({"is_paused": server.scheduler.paused is not None}))),
-        web.post(P.RESET_PREFIX_CACHE, fixed(lambda: web.json_response({"success": True}))),
-        web.get(P.SERVER_INFO, server.server_info),
-        web.get(P.WORLD_SIZE, fixed(lambda: web.json_response({"world_size": 1})))])
-
-    async def start_worker(app):
-        app["worker"] = asyncio.create_task(server.scheduler.run())
-    app.on_startup.append(start_worker)
-    return app
+    def routes(self) -> list:
+        def fixed(make):  # a route whose answer needs no work
+            async def handler(request):
+                return make()
+            return handler
+        return [
+            web.post(P.COMPLETIONS, self.completions), web.post(P.CHAT, self.chat), web.get(P.MODELS, self.models),
+            web.post(P.LOAD, self.load_lora), web.post(P.UNLOAD, self.unload_lora),
+            web.post(P.PAUSE, self.pause), web.post(P.RESUME, self.resume), web.get(P.SERVER_INFO, self.server_info),
+            web.get(P.HEALTH, fixed(web.Response)), web.route("*", P.PING, fixed(web.Response)),
+            web.get(P.VERSION, fixed(lambda: web.json_response({"version": VERSION}))),
+            web.get(P.IS_PAUSED, fixed(lambda: web.json_response({"is_paused": self.scheduler.paused is not None}))),
+            web.post(P.RESET_PREFIX_CACHE, fixed(lambda: web.json_response({"success": True}))),
+            web.get(P.WORLD_SIZE, fixed(lambda: web.json_response({"world_size": 1})))]
 
 
 def main():
     cfg, = HfArgumentParser(ServeConfig).parse_args_into_dataclasses()
     torch.set_num_threads(cfg.threads)
     server = Server(cfg)
-    print(f"minigrpo.serve: {server.name} on http://{cfg.host}:{cfg.port} (max_lora_rank {cfg.max_lora_rank}, "
-          f"max_loras {cfg.max_loras})\n  {asdict(cfg) | {'api_key': '***' if cfg.api_key else ''}}", flush=True)
-    P.run(make_app(server, cfg.api_key), cfg.host, cfg.port, cfg.header_timeout_s)
+
+    async def worker(app):  # the scheduler's loop runs beside the routes
+        task = asyncio.create_task(server.scheduler.run())
+        yield
+        task.cancel()
+    P.run(cfg, cfg.api_key, server.routes(), worker, f"minigrpo.serve: {server.name}")
 
 
 if __name__ == "__main__":
