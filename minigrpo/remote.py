@@ -58,7 +58,6 @@ class HttpEngine:
         raise ServerError(f"{method} {self.url}{path} failed {self.retries} times; last: {last}")
 
     def wait_ready(self, timeout_s: float = 300.0):
-        """Block until GET /health answers 200, or fail naming the address."""
         async def poll():
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:

@@ -219,22 +219,19 @@ class Server:
             raise P.BadRequest("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
         prompts = await self.chat_prompt(body)
         out = await self.scheduler.submit(model, prompts, self.sampling(body, prompts, n, top))
-        choices = []
-        for c in out[0]:
-            choice = self.choice(c, body, model)
-            message = {"role": "assistant", "content": choice.pop("text"), "tool_calls": []}
-            choices.append(choice | {"message": message, "logprobs": self.chat_logprobs(c, top) if logprobs else None})
+        choices = [self.choice(c, body, model, chat=True) | {
+            "logprobs": self.chat_logprobs(c, top) if logprobs else None} for c in out[0]]
         return self.respond(out, prompts, model, {"object": "chat.completion", "choices": choices,
                                                   "prompt_logprobs": None, "prompt_token_ids": None}, "chatcmpl")
 
-    def choice(self, c, body: dict, model: str) -> dict:
-        """What both routes' choices share. The text ends before a stop token or stop string, as in vLLM."""
+    def choice(self, c, body: dict, model: str, chat: bool = False) -> dict:
+        """A choice of either route. The text ends before a stop token or stop string, as in vLLM."""
         ids = c.token_ids[:-1] if c.finish_reason == "stop" and c.text is None else c.token_ids
-        skip = body.get("skip_special_tokens") in (None, True)
-        return {"text": c.text if c.text is not None else self.decode(ids, skip),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "token_ids": c.token_ids if body.get("return_token_ids") else None,
-                "adapter": model, "adapter_digest": c.adapter_digest}
+        text = c.text if c.text is not None else self.decode(ids, body.get("skip_special_tokens") in (None, True))
+        said = {"message": {"role": "assistant", "content": text, "tool_calls": []}} if chat else {"text": text}
+        return said | {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                       "token_ids": c.token_ids if body.get("return_token_ids") else None,
+                       "adapter": model, "adapter_digest": c.adapter_digest}
 
     def completion_logprobs(self, c, name) -> dict:
         tokens, clamp = [name(t) for t in c.token_ids], lambda lp: max(lp, -9999.0)  # -inf is sent as -9999.0
