@@ -4,19 +4,9 @@
     python proxy.py --upstream http://127.0.0.1:8001 --upstream http://127.0.0.1:8002 --port 8000 --api_key KEY
     python generate.py --engine http --url http://127.0.0.1:8000 --api_key KEY & python train.py
 
-What goes where:
-  - POST /v1/completions, /v1/chat/completions: routed to one replica by KV-prefix affinity (minigrpo/router.py);
-    a replica that cannot be reached is skipped for the next one, and the answer names the replica it came from
-    in X-Proxy-Upstream;
-  - POST /v1/load_lora_adapter: sent to every replica, all or nothing. A replica answering "No adapter found" is
-    retried until --load_timeout_s (its bucket mount may lag); on any failure the replicas that accepted unload
-    it again, and the answer is the failure. One name means one set of weights: when a replica already holds
-    the name from another path, the load is refused (vLLM's 400 "has already been loaded") and undone everywhere;
-    from the same path it is idempotent;
-  - POST /v1/unload_lora_adapter, /pause, /resume, /reset_prefix_cache: sent to every replica, answered as one
-    vLLM server would answer (an unload no replica knows is a 404);
-  - GET /health: 200 only when every replica answers 200; GET /proxy/stats: the counters;
-  - anything else (/v1/models, /server_info, ...): forwarded to one replica, round-robin.
+Completions go to one replica, by KV-prefix affinity (minigrpo/router.py). Adapter loads go to every replica, all
+or nothing; unloads, /pause, /resume, /reset_prefix_cache and /health go to every replica and are answered as one
+server would answer; anything else goes to the least busy replica (README.md, "Many replicas", has each rule).
 Clients authenticate with --api_key on /v1 routes, as with vLLM's --api-key; replicas get --upstream_token (or
 HF_TOKEN) and never the client's key. Bad input gets the same 4xx JSON answers as from minigrpo/serve.py (the
 rules live once, in minigrpo/protocol.py), and the X-Adapter-* attribution headers pass through.
@@ -29,7 +19,7 @@ import collections
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
@@ -48,9 +38,7 @@ class ProxyConfig:
     api_key: str = field(default="", metadata={"help": "clients must send 'Authorization: Bearer KEY' (or env MINIGRPO_API_KEY)"})
     no_auth: bool = field(default=False, metadata={"help": "run without a client key (only on a trusted network)"})
     upstream_token: str = field(default="", metadata={"help": "bearer token sent to the replicas (default: env HF_TOKEN)"})
-    block_size: int = field(default=16, metadata={"help": "tokens per hashed prefix block"})
     imbalance: int = field(default=8, metadata={"help": "affinity only while a replica is at most this many requests ahead"})
-    max_blocks: int = field(default=500_000, metadata={"help": "bound on the router's block table"})
     load_timeout_s: float = field(default=300.0, metadata={"help": "keep retrying 'No adapter found' this long"})
     retry_s: float = field(default=2.0, metadata={"help": "interval between those retries"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "a replica that takes longer gets a 504"})
@@ -59,36 +47,32 @@ class ProxyConfig:
     body_timeout_s: float = field(default=30.0, metadata={"help": "answer 408 to a body that takes longer to arrive"})
 
 
-@dataclass
-class Answer:
-    status: int
-    body: bytes
-    headers: dict
-    unreachable: bool = False  # the replica could not be connected to at all
+# a replica's reply; unreachable: it could not be connected to at all
+Answer = collections.namedtuple("Answer", "status body headers unreachable", defaults=(False,))
 
-    @property
-    def text(self) -> str:
-        return self.body.decode(errors="replace")
+
+def reply(a: Answer, headers: dict | None = None) -> web.Response:
+    return web.Response(status=a.status, body=a.body, headers=a.headers | (headers or {}))
 
 
 class Proxy:
     def __init__(self, cfg: ProxyConfig):
         self.cfg, self.upstreams = cfg, [u.rstrip("/") for u in cfg.upstream]
-        self.router = PrefixRouter(len(self.upstreams), cfg.block_size, cfg.imbalance, cfg.max_blocks)
-        self.inflight, self.routed, self.next_rr = [0] * len(self.upstreams), [0] * len(self.upstreams), 0
+        self.router = PrefixRouter(len(self.upstreams), imbalance=cfg.imbalance)
+        self.inflight, self.routed = [0] * len(self.upstreams), [0] * len(self.upstreams)
         self.auth = P.bearer(cfg.upstream_token or os.environ.get("HF_TOKEN", ""))
         self.loading = collections.defaultdict(asyncio.Lock)  # one load per adapter name at a time
         self.session = None
 
-    async def send(self, i: int, request: web.Request, body: bytes | None, path: str | None = None,
-                   method: str | None = None) -> Answer:
-        """Forward to replica i with the client's headers minus credentials and hop-by-hop ones."""
-        url = self.upstreams[i] + (path or request.path)
-        headers = P.forwardable(request.headers) | self.auth
+    async def send(self, i: int, request: web.Request, path: str | None = None, method: str | None = None,
+                   body: bytes | None = None) -> Answer:
+        """The client's request to replica i, or (with `path`) one of the proxy's own; never with the client's
+        credentials or hop-by-hop headers."""
+        url, body = self.upstreams[i] + (path or request.path), body if path else await request.read()
         self.inflight[i] += 1
         try:
             async with self.session.request(method or request.method, url, params=request.query, data=body,
-                                            headers=headers) as r:
+                                            headers=P.forwardable(request.headers) | self.auth) as r:
                 return Answer(r.status, await r.read(), P.forwardable(r.headers))
         except asyncio.TimeoutError:
             return Answer(504, f"proxy: {self.upstreams[i]}: timed out after {self.cfg.request_timeout_s:.0f}s".encode(), {})
@@ -98,97 +82,76 @@ class Proxy:
         finally:
             self.inflight[i] -= 1
 
-    def reply(self, a: Answer, **extra) -> web.Response:
-        return web.Response(status=a.status, body=a.body, headers=a.headers | extra)
-
     def failure(self, what: str, answers: list[Answer], bad: list[int], status: int | None = None) -> web.Response:
         """The first failing replica's status (or `status`) and a text naming it."""
-        first = answers[bad[0]]
+        first, text = answers[bad[0]], answers[bad[0]].body[:300].decode(errors="replace")
         return web.Response(status=status or first.status, text=f"proxy: {len(bad)}/{len(answers)} servers {what}; "
-                            f"first: {self.upstreams[bad[0]]} -> {first.status} {first.text[:300]}")
+                            f"first: {self.upstreams[bad[0]]} -> {first.status} {text}")
 
-    # ---- routes ----
-    async def completions(self, request: web.Request):
-        raw = await P.read_body(request, self.cfg.body_timeout_s)
-        body = P.parse_json(raw)
-        prompt, model = body.get("prompt", body.get("messages")), P.utf8(body.get("model") or "")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-            prompt = prompt[0]  # a batch of prompts is routed by its first one
-        if not isinstance(prompt, list):  # text or anything odd, hashed as UTF-8 (the router takes lists as they are)
-            prompt = P.utf8(prompt if isinstance(prompt, str) else json.dumps(prompt))
-        pick, _ = self.router.choose(model, prompt, self.inflight)
-        others = sorted((i for i in range(len(self.upstreams)) if i != pick), key=lambda i: self.inflight[i])
-        for i in [pick] + others:  # go on to the next replica only when this one cannot be reached at all
-            answer = await self.send(i, request, raw)
+    async def forward(self, request: web.Request, first: int | None = None):
+        """To replica `first`, else the least busy; the next one only if it cannot be reached at all."""
+        for i in sorted(range(len(self.upstreams)), key=lambda i: (i != first, self.inflight[i])):
+            answer = await self.send(i, request)
             if not answer.unreachable:
                 break
         self.routed[i] += 1
-        return self.reply(answer, **{"X-Proxy-Upstream": str(i)})
+        return reply(answer, {"X-Proxy-Upstream": str(i)})
+
+    async def completions(self, request: web.Request):
+        body = P.parse_json(await request.read())
+        prompt, model = body.get("prompt", body.get("messages")), P.utf8(body.get("model") or "")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]  # a batch of prompts is routed by its first one
+        return await self.forward(request, self.router.choose(model, prompt, self.inflight)[0])
 
     async def load_lora(self, request: web.Request):
-        raw = await P.read_body(request, self.cfg.body_timeout_s)
-        body = P.parse_json(raw)
+        body = P.parse_json(await request.read())
         name, path = P.utf8(body.get("lora_name")), body.get("lora_path")
 
         async def load(i):  # retry while the replica cannot see the directory yet
             deadline = time.time() + self.cfg.load_timeout_s
             while True:
-                a = await self.send(i, request, raw)
-                if a.status == 200 or P.NO_ADAPTER not in a.text or time.time() > deadline:
+                a = await self.send(i, request)
+                if a.status == 200 or P.NO_ADAPTER.encode() not in a.body or time.time() > deadline:
                     return a
                 await asyncio.sleep(self.cfg.retry_s)
 
         async with self.loading[name]:
             answers = await asyncio.gather(*(load(i) for i in range(len(self.upstreams))))
             loaded = [i for i, a in enumerate(answers) if a.status == 200]
-            already = [i for i, a in enumerate(answers) if a.status == 400 and P.LOADED in a.text]
+            already = [i for i, a in enumerate(answers) if a.status == 400 and P.LOADED.encode() in a.body]
             bad = [i for i in range(len(answers)) if i not in loaded and i not in already]
-            ask = [self.send(i, request, None, P.MODELS, "GET") for i in already] if not bad else []
+            ask = [self.send(i, request, P.MODELS, "GET") for i in already] if not bad else []
             models = await asyncio.gather(*ask)
             other_weights = any(P.root_of(m.body, name) != path for m in models)  # the name, but not these weights
             if not bad and not other_weights:  # everywhere now; if every replica had it, say so as one server would
-                return self.reply(answers[loaded[0]] if loaded else answers[0])
+                return reply(answers[loaded[0]] if loaded else answers[0])
             for i in loaded:  # all or nothing: take it back where it went in
-                await self.send(i, request, json.dumps({"lora_name": name}).encode(), path=P.UNLOAD)
+                await self.send(i, request, P.UNLOAD, "POST", json.dumps({"lora_name": name}).encode())
         if other_weights:
             return P.error(400, P.already_loaded(name), "InvalidUserInput")
-        status = 504 if P.NO_ADAPTER in answers[bad[0]].text else None  # the directory never appeared
+        status = 504 if P.NO_ADAPTER.encode() in answers[bad[0]].body else None  # the directory never appeared
         return self.failure(f"failed to load {name}; rolled back on the others.", answers, bad, status)
 
     async def everywhere(self, request: web.Request):
         """Sent to every replica; answered as one server would answer, or with the first failure."""
-        body = await P.read_body(request, self.cfg.body_timeout_s)
-        answers = await asyncio.gather(*(self.send(i, request, body) for i in range(len(self.upstreams))))
+        answers = await asyncio.gather(*(self.send(i, request) for i in range(len(self.upstreams))))
         fine = (200, 404) if request.path == P.UNLOAD else (200,)
         bad = [i for i, a in enumerate(answers) if a.status not in fine]
         if bad:
             return self.failure("unhealthy" if request.method == "GET" else f"failed {request.path}", answers, bad)
-        return self.reply(next((a for a in answers if a.status == 200), answers[0]))
+        return reply(next((a for a in answers if a.status == 200), answers[0]))
+
+    async def connect(self, app: web.Application):
+        """The session to the replicas, open while the proxy serves (an aiohttp cleanup context)."""
+        timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s, sock_connect=10)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
+        yield
+        await self.session.close()
 
     async def stats(self, request: web.Request):
         upstreams = [{"url": u, "inflight": f, "routed": r} for u, f, r in zip(self.upstreams, self.inflight, self.routed)]
         return web.json_response({"upstreams": upstreams, "router": self.router.stats()})
-
-    async def forward(self, request: web.Request):
-        i = self.next_rr % len(self.upstreams)
-        self.next_rr += 1
-        return self.reply(await self.send(i, request, await P.read_body(request, self.cfg.body_timeout_s)))
-
-
-def make_app(proxy: Proxy, api_key: str) -> web.Application:
-    app = web.Application(middlewares=[P.guard(api_key)], client_max_size=proxy.cfg.max_body_mb * 2**20)
-    app.add_routes([web.post(P.COMPLETIONS, proxy.completions), web.post(P.CHAT, proxy.completions),
-                    web.post(P.LOAD, proxy.load_lora), *[web.post(p, proxy.everywhere) for p in P.EVERY_REPLICA],
-                    *[web.get(p, proxy.everywhere) for p in (P.HEALTH, P.PING)], web.get("/proxy/stats", proxy.stats),
-                    web.route("*", "/{tail:.*}", proxy.forward)])
-
-    async def session(app):
-        timeout = aiohttp.ClientTimeout(total=proxy.cfg.request_timeout_s, sock_connect=10)
-        proxy.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
-        yield
-        await proxy.session.close()
-    app.cleanup_ctx.append(session)
-    return app
 
 
 def main():
@@ -198,9 +161,12 @@ def main():
         raise SystemExit("give at least one replica: --upstream http://HOST:PORT (repeat for each)")
     if not api_key and not cfg.no_auth:
         raise SystemExit("set --api_key KEY (or MINIGRPO_API_KEY), or pass --no_auth to run without client auth")
-    shown = asdict(cfg) | {"api_key": "***" if api_key else "", "upstream_token": "***" if cfg.upstream_token else ""}
-    print(f"proxy on http://{cfg.host}:{cfg.port} -> {len(cfg.upstream)} replicas\n  {shown}", flush=True)
-    P.run(make_app(Proxy(cfg), api_key), cfg.host, cfg.port, cfg.header_timeout_s)
+    proxy = Proxy(cfg)
+    routes = [web.post(P.COMPLETIONS, proxy.completions), web.post(P.CHAT, proxy.completions),
+              web.post(P.LOAD, proxy.load_lora), *[web.post(p, proxy.everywhere) for p in P.EVERY_REPLICA],
+              *[web.get(p, proxy.everywhere) for p in (P.HEALTH, P.PING)], web.get("/proxy/stats", proxy.stats),
+              web.route("*", "/{tail:.*}", proxy.forward)]
+    P.run(cfg, api_key, routes, proxy.connect, f"proxy -> {len(cfg.upstream)} replicas")
 
 
 if __name__ == "__main__":

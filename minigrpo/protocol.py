@@ -1,29 +1,19 @@
-"""The HTTP protocol, written once for the server (minigrpo/serve.py), the proxy (proxy.py) and the http engine
-(minigrpo/remote.py): vLLM's routes, its error bodies, its auth rule, the headers a hop drops, and the two
-things minigrpo adds: strict input handling and policy attribution. It imports nothing else from the project.
+"""The HTTP rules the server (minigrpo/serve.py), the proxy (proxy.py) and the http engine (minigrpo/remote.py)
+share: vLLM's routes, error body and auth rule, the texts clients match on, the headers a hop drops, and strict
+input handling (what a client sees: README.md, "Many replicas" and "Failure model"). It imports nothing else from
+the project.
 
-What it copies from vLLM (v0.27-v0.33 sources):
-  - error body: {"error": {"message", "type", "param", "code"}}, `ErrorResponse` in
-    vllm/entrypoints/serve/engine/protocol.py; `param` names the offending field;
-  - auth: with --api-key, only paths under /v1 need `Authorization: Bearer KEY`; /health, /ping, /version and
-    the dev routes (/pause, /server_info, ...) stay open, and a refusal is 401 {"error": "Unauthorized"}
-    (vllm/entrypoints/serve/middleware/authenticate.py);
-  - the texts clients match on: "has already been loaded" (vllm/entrypoints/openai/models/serving.py) and
-    "No adapter found" (vllm/exceptions.py).
-What it adds:
-  - every malformed input is a 4xx with a JSON body, never a 500: invalid UTF-8, nesting that exhausts the
-    parser, a body over the size limit or slower than the body timeout, header bytes that are not UTF-8. NaN and
-    Infinity parse as floats so that the field check can name the field they sit in, and no response ever
-    carries a bare NaN (which is not JSON);
-  - a connection that has not sent a whole request head within the header timeout is closed, so half-sent
-    requests cannot pile up until file descriptors run out;
-  - policy attribution: every completion names the adapter that sampled it and the digest of its weights
-    (minigrpo/lora.py, adapter_digest), in the ADAPTER_HEADER / DIGEST_HEADER response headers and in each choice.
+Copied from vLLM (v0.27-v0.33 sources): the error body {"error": {"message", "type", "param", "code"}}
+(`ErrorResponse` in vllm/entrypoints/serve/engine/protocol.py), the auth rule and its 401 {"error": "Unauthorized"}
+(vllm/entrypoints/serve/middleware/authenticate.py), "has already been loaded"
+(vllm/entrypoints/openai/models/serving.py) and "No adapter found" (vllm/exceptions.py). NaN and Infinity parse
+as floats, so that the field check can name the field they sit in; no response carries a bare NaN (not JSON).
 """
 import asyncio
 import hmac
 import json
 import resource
+from dataclasses import asdict
 
 from aiohttp import web
 
@@ -103,34 +93,25 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         raise BadRequest(message, None, 408, "RequestTimeout") from None
 
 
-async def read_json(request: web.Request, timeout_s: float) -> dict:
-    return parse_json(await read_body(request, timeout_s))
-
-
 def bearer(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def authorized(request: web.Request, api_key: str) -> bool:
-    """vLLM's rule: without a key, or outside /v1, anyone; otherwise the exact bearer key (compared in constant
-    time, on the raw header bytes: aiohttp keeps bytes that are not UTF-8 as surrogates)."""
-    if not api_key or not request.path.startswith("/v1"):
-        return True
-    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-    return hmac.compare_digest(given, f"Bearer {api_key}".encode())
 
 
 def forwardable(headers) -> dict:
     return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
 
 
-def guard(api_key: str):
-    """The middleware both servers run: auth first, then every failure answered as vLLM's JSON error body."""
+def guard(api_key: str, body_timeout_s: float):
+    """The middleware both servers run: vLLM's auth rule, then the whole body read within the timeout (aiohttp keeps
+    it for the handler's request.read()), then every failure answered as vLLM's JSON error body."""
     @web.middleware
     async def middleware(request: web.Request, handler):
-        if not authorized(request, api_key):
+        # the exact key, compared in constant time on the raw bytes (aiohttp keeps non-UTF-8 bytes as surrogates)
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if api_key and request.path.startswith("/v1") and not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
             return web.json_response({"error": "Unauthorized"}, status=401)
         try:
+            await read_body(request, body_timeout_s)
             return await handler(request)
         except BadRequest as e:
             return error(e.status, str(e), e.kind, e.param)
@@ -138,12 +119,20 @@ def guard(api_key: str):
             return error(413, e.text)
         except web.HTTPException as e:  # unknown route or method: FastAPI's plain JSON, as vLLM answers
             return web.json_response({"detail": e.reason}, status=e.status)
+        except Exception as e:  # noqa: BLE001 -- a failed engine call: a 500 with vLLM's body, and the server goes on
+            return error(500, f"{type(e).__name__}: {e}", "InternalServerError")
     return middleware
 
 
-def run(app: web.Application, host: str, port: int, header_timeout_s: float):
-    """Serve until interrupted. aiohttp closes a connection that has not sent a whole request within its keep-alive
-    timeout (idle ones too), which makes that timeout the header timeout. The file limit goes up to the hard cap."""
+def run(cfg, api_key: str, routes: list, context, banner: str):
+    """Serve `routes` behind guard() until interrupted, inside `context` (an aiohttp cleanup context). aiohttp closes
+    a connection that has not sent a whole request within its keep-alive timeout (idle ones too), which makes that
+    timeout the header timeout. The file limit goes up to the hard cap. Keys are never printed."""
+    app = web.Application(middlewares=[guard(api_key, cfg.body_timeout_s)], client_max_size=cfg.max_body_mb * 2**20)
+    app.add_routes(routes)
+    app.cleanup_ctx.append(context)
+    shown = {k: "***" if v and k in ("api_key", "upstream_token") else v for k, v in asdict(cfg).items()}
+    print(f"{banner} on http://{cfg.host}:{cfg.port}\n  {shown}", flush=True)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))
-    web.run_app(app, host=host, port=port, print=None, keepalive_timeout=header_timeout_s)
+    web.run_app(app, host=cfg.host, port=cfg.port, print=None, keepalive_timeout=cfg.header_timeout_s)

@@ -1,16 +1,14 @@
 """Engines that sample somewhere else, with the same interface as TorchEngine (load_adapter, generate):
 
   HttpEngine   any vLLM-compatible server: `vllm serve`, `python -m minigrpo.serve`, or proxy.py in front of
-               several. A new version is registered with POST /v1/load_lora_adapter under the name its directory
-               has (an absolute path or a URL; names are never reused) and requested as model = that name; names
-               that left the staleness window are unloaded. A name already loaded counts only if /v1/models shows
-               it at the same path. Transient failures are retried with bounded backoff; a replica that restarted
-               and forgot the adapter gets it again. Each Completion carries the digest of the weights that
-               sampled it when the server reports one (minigrpo's server and proxy; vLLM does not).
+               several. A version is loaded under its directory's name (names are never reused) and requested as
+               model = that name; a name already loaded counts only if /v1/models shows it at the same path, and
+               names that left the staleness window are unloaded. Retries and digests: README.md, "Failure model".
   VllmEngine   vLLM in-process (GPU only): a LoRARequest per version, processed (temperature-applied) log-probs.
 """
 import asyncio
 import os
+import time
 
 import aiohttp
 
@@ -24,29 +22,27 @@ class ServerError(RuntimeError):
     pass
 
 
-def adapter_name(path: str) -> str:
-    """An adapter's served name: the last component of its path or URL."""
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
-def absolute(path: str) -> str:
-    return path if "://" in path else os.path.abspath(path)
+def served(path: str) -> tuple[str, str]:
+    """(the name an adapter is served under: the last component of its path or URL, that absolute path or URL)."""
+    path = path if "://" in path else os.path.abspath(path)
+    return path.rstrip("/").rsplit("/", 1)[-1], path
 
 
 class HttpEngine:
     def __init__(self, url: str, api_key: str = "", max_inflight: int = 64, keep: int = 5, retries: int = 6,
                  timeout_s: float = 600.0):
         self.url, self.keep, self.retries = url.rstrip("/"), keep, retries
-        self.headers = P.bearer(api_key)
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
         self.inflight = asyncio.Semaphore(max_inflight)
-        self.session, self.version, self.path, self.loaded = None, None, None, {}  # loaded: version -> name
+        self.version, self.adapter, self.loaded = None, None, {}  # adapter: (name, path); loaded: version -> name
+
+        async def session():  # made inside the loop that uses it
+            return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=10),
+                                         headers=P.bearer(api_key))
+        self.session = self.loop.run_until_complete(session())
 
     async def _call(self, method: str, path: str, body=None) -> tuple[int, str, dict | None]:
         """(status, text, json or None), retrying transport errors and 5xx with backoff 0.5, 1, 2, ... 8 s."""
-        if self.session is None:
-            self.session = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers)
         last = None
         for attempt in range(self.retries):
             try:
@@ -62,22 +58,19 @@ class HttpEngine:
         raise ServerError(f"{method} {self.url}{path} failed {self.retries} times; last: {last}")
 
     def wait_ready(self, timeout_s: float = 300.0):
-        """Block until GET /health answers 200, or fail naming the address."""
         async def poll():
-            for i in range(int(timeout_s / 0.5)):
-                if i == 20:
-                    print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
                 try:
                     if (await self._call("GET", P.HEALTH))[0] == 200:
                         return
-                except ServerError:
-                    pass
+                except ServerError:  # after about 25 s of retries
+                    print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
                 await asyncio.sleep(0.5)
             raise ServerError(f"no healthy server at {self.url} after {timeout_s:.0f}s (is it running? right --url?)")
         self.loop.run_until_complete(poll())
 
-    async def _load(self, path: str):
-        name, path = adapter_name(path), absolute(path)
+    async def _load(self, name: str, path: str):
         status, text, _ = await self._call("POST", P.LOAD, {"lora_name": name, "lora_path": path})
         if status == 400 and P.LOADED in text:  # another generator was first, or the name holds other weights
             there = P.root_of((await self._call("GET", P.MODELS))[1], name)
@@ -87,23 +80,25 @@ class HttpEngine:
             raise ServerError(f"{self.url} refused to load {name} from {path}: {status} {text[:300]}")
 
     def load_adapter(self, version: int, path: str):
+        name, path = served(path)
+
         async def load():
-            await self._load(path)
-            self.loaded[version] = adapter_name(path)
+            await self._load(name, path)
+            self.loaded[version] = name
             for old in [v for v in self.loaded if v <= version - self.keep]:  # left the staleness window
                 await self._call("POST", P.UNLOAD, {"lora_name": self.loaded.pop(old)})  # 404: fine
         self.loop.run_until_complete(load())
-        self.version, self.path = version, path
+        self.version, self.adapter = version, (name, path)
 
     async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
-        body = {"model": adapter_name(self.path), "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens,
+        body = {"model": self.adapter[0], "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens,
                 "temperature": sp.temperature, "top_p": sp.top_p, "top_k": 0, "logprobs": 0,
                 "stop_token_ids": list(sp.stop_token_ids), "return_token_ids": True,
                 "seed": sp.seed}  # None (null): the server samples from its own generator
         async with self.inflight:
             status, text, data = await self._call("POST", P.COMPLETIONS, body)
             if status == 404 and "does not exist" in text:  # a replica restarted and forgot the adapter
-                await self._load(self.path)
+                await self._load(*self.adapter)
                 status, text, data = await self._call("POST", P.COMPLETIONS, body)
         if status != 200 or data is None:
             raise ServerError(f"{self.url}/v1/completions answered {status}: {text[:300]}")
@@ -117,8 +112,7 @@ class HttpEngine:
         return list(self.loop.run_until_complete(run()))
 
     def close(self):
-        if self.session is not None:
-            self.loop.run_until_complete(self.session.close())
+        self.loop.run_until_complete(self.session.close())
 
 
 class VllmEngine:
@@ -135,7 +129,8 @@ class VllmEngine:
 
     def load_adapter(self, version: int, path: str):
         from vllm.lora.request import LoRARequest
-        request = LoRARequest(adapter_name(path), version + 1, absolute(path))  # int ids start at 1
+        name, path = served(path)
+        request = LoRARequest(name, version + 1, path)  # int ids start at 1
         self.llm.llm_engine.add_lora(request)
         self.requests[version], self.version = request, version
         for old in [v for v in self.requests if v <= version - self.keep]:

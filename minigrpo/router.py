@@ -1,12 +1,10 @@
 """KV-prefix affinity routing: send a prompt to the replica that most likely holds its prefix in the KV cache.
 
-GRPO sends each prompt G times. The first request of a prompt goes wherever there is room; the other G - 1 should
-follow it, because that replica has the prompt's KV blocks cached. The router mirrors the structure of vLLM's
-prefix cache without its exact hashes:
-  - the prompt is cut into 16-token blocks, hashed as a chain seeded with the requested model (adapter)
-    name, so one prefix under two adapters is two prefixes, as it is in vLLM. The last block may be partial
-    (vLLM caches only full ones): it keeps a prompt's G requests together, so a prompt shorter than one block
-    is prefilled on one replica, not spread over all of them;
+GRPO sends each prompt G times: the first request goes wherever there is room, and the other G - 1 should follow
+it there. The router mirrors the structure of vLLM's prefix cache without its exact hashes:
+  - the prompt is cut into 16-token blocks, hashed as a chain seeded with the requested model (adapter) name, so
+    one prefix under two adapters is two prefixes, as in vLLM. The last block may be partial (vLLM caches only
+    full ones): it keeps the G requests of a prompt shorter than one block on one replica;
   - a replica owns a block once a request with it was sent there (bounded LRU table);
   - the shared prefix every prompt starts with (the chat template) says nothing about where a prompt lives. It is
     found from the data: a block every replica owns, or a block followed by two or more different blocks;
@@ -24,26 +22,22 @@ class PrefixRouter:
     def __init__(self, n: int, block_size: int = 16, imbalance: int = 8, max_blocks: int = 500_000):
         self.n, self.block_size, self.imbalance, self.max_blocks = n, block_size, imbalance, max_blocks
         self.table = collections.OrderedDict()  # block hash -> (owners: set[int], successors: set[bytes]), LRU
-        self.counters = {"routed": 0, "affinity": 0, "spilled": 0, "unmatched": 0}
+        self.counters = {"affinity": 0, "spilled": 0, "unmatched": 0}
         self.next_rr = 0
 
-    def blocks(self, model: str, prompt) -> tuple[bytes, ...]:
-        """Chained hashes of the blocks of a prompt: token ids (8 bytes each), or text (about 4 bytes a token)."""
-        try:
-            data, size = (prompt.encode(), 4) if isinstance(prompt, str) else (array.array("q", prompt).tobytes(), 8)
-        except (OverflowError, TypeError):  # not int64 ids (chat messages, huge ids): hash the list's JSON text
-            data, size = json.dumps(prompt).encode(), 4
-        return chain(model, data, size * self.block_size)
-
     def choose(self, model: str, prompt, inflight: list[int]) -> tuple[int, str]:
-        """(replica index, "affinity" | "spilled" | "unmatched"), and remember where the prompt went."""
-        hashes = self.blocks(model, prompt)
+        """(replica index, "affinity" | "spilled" | "unmatched"), and remember where the prompt went. Token ids are
+        hashed as 8 bytes each; anything else (text, chat messages, huge ids) as JSON text, about 4 bytes a token."""
+        try:
+            data, size = array.array("q", prompt).tobytes(), 8
+        except (OverflowError, TypeError):
+            data, size = json.dumps(prompt).encode(), 4
+        hashes = chain(model, data, size * self.block_size)
         matched, owners_so_far, common, fanout = [0] * self.n, set(range(self.n)), 0, 0
         for depth, h in enumerate(hashes):
-            entry = self.table.get(h)
-            if entry is None:
+            if h not in self.table:
                 break
-            owners, successors = entry
+            owners, successors = self.table[h]
             if len(successors) >= 2:
                 fanout = depth + 1  # prompts part ways after this block: what comes before is the template
             if len(owners) == self.n or fanout == depth + 1:
@@ -65,28 +59,25 @@ class PrefixRouter:
             if matched[pick] == len(hashes) and len(hashes) > fanout:  # the loop saw every block: fanout is final
                 kind = "affinity"  # every replica holds this whole prompt (it spilled before): a hit wherever it goes
         self._remember(hashes, pick)
-        self.counters["routed"] += 1
         self.counters[kind] += 1
         return pick, kind
 
     def _remember(self, hashes: tuple[bytes, ...], pick: int):
         for prev, h in zip((None, *hashes), hashes):
-            entry = self.table.setdefault(h, (set(), set()))
-            entry[0].add(pick)
+            self.table.setdefault(h, (set(), set()))[0].add(pick)
             self.table.move_to_end(h)
-            if prev is not None and prev in self.table and len(self.table[prev][1]) < 2:
+            if prev in self.table and len(self.table[prev][1]) < 2:
                 self.table[prev][1].add(h)  # two successors are enough to call a block shared
         while len(self.table) > self.max_blocks:
             self.table.popitem(last=False)
 
     def stats(self) -> dict:
-        return self.counters | {"tracked_blocks": len(self.table)}
+        return self.counters | {"routed": sum(self.counters.values()), "tracked_blocks": len(self.table)}
 
 
 @functools.lru_cache(maxsize=4096)  # a prompt comes G times in a row: hash its blocks once
 def chain(model: str, data: bytes, size: int) -> tuple[bytes, ...]:
-    h, out = hashlib.blake2b(model.encode(), digest_size=16).digest(), []
+    hashes = [hashlib.blake2b(model.encode(), digest_size=16).digest()]  # the seed: the model name
     for i in range(0, len(data), size):  # the last block may be partial
-        h = hashlib.blake2b(h + data[i:i + size], digest_size=16).digest()
-        out.append(h)
-    return tuple(out)
+        hashes.append(hashlib.blake2b(hashes[-1] + data[i:i + size], digest_size=16).digest())
+    return tuple(hashes[1:])

@@ -1,28 +1,26 @@
 """The server's batching scheduler: requests that arrive together share a batch, fairly, one adapter at a time.
 
     scheduler.add(name, Adapter(path, created), scheduler.read(path))   register a checked adapter
-    await scheduler.submit(model, prompts, params)   -> per prompt, a list of n Completions, or the exception
+    await scheduler.submit(model, prompts, params)   -> per prompt, a list of n Completions (or it raises)
     scheduler.run()                  the worker task; pause(mode) and resume() as vLLM's /pause and /resume
 
-  - A request is cut into one unit per prompt (its n rows). Each round takes one unit from each waiting request
-    in turn, and again, until the round holds --max_batch_rows rows or --max_loras distinct adapters. So a large
-    request cannot hold back a small one that arrives after it: the small one joins the next round.
-  - A round runs one engine call per adapter. Switching the LoRA layers is all or nothing: the weights are
-    checked whole before the first layer is written, and the layers count as switched only once all are.
-  - If an engine call fails, each request in it is run again alone, so an error reaches only its own request.
-  - Adapter weights live in an LRU cache of --max_cpu_loras entries. An evicted adapter is read again from its
-    path when next used, as vLLM does, and its completions carry the digest of what was actually read.
+A request is cut into one unit per prompt (its n rows). Each round takes one unit from each waiting request in
+turn, and again, until the round holds --max_batch_rows rows or --max_loras distinct adapters, then runs one
+engine call per adapter; a failed call is run again one request at a time. Switching the LoRA layers is all or
+nothing: the weights are checked whole before the first layer is written. An adapter evicted from the LRU cache
+(--max_cpu_loras) is read again from its path, as vLLM does, and checked again.
 """
 import asyncio
 import collections
 import threading
 
 from minigrpo.engine import Completion, SamplingParams
-from minigrpo.lora import apply_adapter, check_adapter, check_config, lora_layers, read_adapter
+from minigrpo.lora import apply_adapter, check_adapter, check_config, read_adapter
 
 
 Weights = collections.namedtuple("Weights", "r scaling tensors digest")  # an adapter, read and checked whole
 Adapter = collections.namedtuple("Adapter", "path created")  # a loaded name's record; a reload makes a new one
+BASE = Weights(0, 0.0, {}, "")  # the base model: every LoRA layer zeroed and switched off
 
 
 class Job:
@@ -41,7 +39,7 @@ class Job:
     def fail(self, e: Exception):
         self.waiting.clear()
         if not self.future.done():
-            self.future.set_result(e)
+            self.future.set_exception(e)
 
 
 class Scheduler:
@@ -58,7 +56,6 @@ class Scheduler:
         self.resumed.set()
         self.paused = None  # None, or the pause mode
 
-    # ---- adapters ----
     def read(self, path: str) -> Weights:
         """Read and check an adapter whole (FileNotFoundError, or ValueError with vLLM's reason); writes nothing."""
         config, tensors, digest = read_adapter(path)
@@ -91,17 +88,10 @@ class Scheduler:
         if self.active is target:
             return
         self.active = None  # until every layer holds the new weights
-        if name == self.base:
-            for layer in lora_layers(self.model).values():
-                layer.scaling = 0.0
-            self.engine.digest = ""
-        else:
-            w = self.weights(name)
-            apply_adapter(self.model, w.tensors, w.r, w.scaling)
-            self.engine.digest = w.digest
-        self.active = target
+        w = BASE if name == self.base else self.weights(name)
+        apply_adapter(self.model, w.tensors, w.r, w.scaling)
+        self.engine.digest, self.active = w.digest, target
 
-    # ---- requests ----
     async def submit(self, model: str, prompts: list[list[int]], params: SamplingParams):
         job = Job(model, prompts, params, asyncio.get_running_loop().create_future())
         self.jobs.append(job)

@@ -3,25 +3,18 @@
     python -m minigrpo.serve --port 8001                                   # the built-in demo model
     python -m minigrpo.serve --model Qwen/Qwen2.5-0.5B --device cuda --port 8001 --api_key KEY
 
-It answers like `vllm serve --enable-lora` with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, VLLM_SERVER_DEV_MODE=1 and
---logprobs-mode processed_logprobs: /v1/completions and /v1/chat/completions (the tokenizer's chat template),
-runtime LoRA load/unload with vLLM's status codes and messages, /v1/models, /health, /ping, /version, /pause,
-/resume, /is_paused, /reset_prefix_cache, /server_info and /get_world_size. Batching is minigrpo/scheduler.py;
-the wire rules shared with the proxy are minigrpo/protocol.py.
-
-Every request is checked whole before it joins a batch, against the model (vocabulary size, max_model_len) and
-the server's limits (body size, --max_request_rows), and a bad one is a 400 whose `param` names the field. Where
-vLLM would ignore a field, this server refuses it by name, so nothing is silently ignored. Each choice names the
-adapter that sampled it and its weights' digest (`adapter`, `adapter_digest`, and the X-Adapter-* headers).
-
-Left out on purpose, each refused by name: streaming, echo, prompt_logprobs, top_k, include_stop_str_in_output.
+It answers like `vllm serve --enable-lora --logprobs-mode processed_logprobs` with VLLM_SERVER_DEV_MODE=1 and
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; README.md ("Many replicas") lists what a client gets. Batching is
+minigrpo/scheduler.py; the wire rules shared with the proxy are minigrpo/protocol.py. Every request is checked
+whole before it joins a batch, and a field vLLM would ignore, or one not implemented here (streaming, echo,
+prompt_logprobs, top_k, include_stop_str_in_output), is refused by name: nothing is silently ignored.
 """
 import asyncio
 import math
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from aiohttp import web
@@ -29,7 +22,7 @@ from transformers import HfArgumentParser
 
 from minigrpo import protocol as P
 from minigrpo.engine import SamplingParams, TorchEngine
-from minigrpo.lora import DEFAULT_TARGETS, inject_lora, lora_layers
+from minigrpo.lora import DEFAULT_TARGETS, inject_lora
 from minigrpo.model import load_model, pick_device, stop_token_ids
 from minigrpo.remote import MAX_LORA_RANKS
 from minigrpo.scheduler import Adapter, Scheduler
@@ -97,7 +90,6 @@ class Server:
         self.cfg, self.name = cfg, cfg.model
         self.model, self.tokenizer = load_model(cfg.model, pick_device(cfg.device), cfg.dtype)
         inject_lora(self.model, cfg.max_lora_rank, cfg.max_lora_rank, DEFAULT_TARGETS)  # served at rank <= max
-        self.targets = sorted({n.rsplit(".", 1)[-1] for n in lora_layers(self.model)})
         self.decode = lambda ids, skip=True: self.tokenizer.decode(ids, skip_special_tokens=skip)
         engine = TorchEngine(self.model, stop_token_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
                              cfg.seed, self.decode)
@@ -107,10 +99,9 @@ class Server:
         # a text longer than this cannot fit in max_model_len tokens: refused before it is tokenized
         self.max_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
 
-    # ---- checking a request ----
     async def start(self, request: web.Request, route: str) -> tuple[dict, str, int]:
         """What every sampling request is checked for first: (body, the model asked for, n)."""
-        body = await P.read_json(request, self.cfg.body_timeout_s)
+        body = P.parse_json(await request.read())
         unknown = sorted(body.keys() - FIELDS[route])
         if unknown:
             raise P.BadRequest(f"{unknown[0]} is not supported by this server", unknown[0])
@@ -205,7 +196,6 @@ class Server:
                                f"Vocabulary size: {self.vocab}", "logit_bias")
         return {int(k): min(100.0, max(-100.0, float(v))) for k, v in bias.items()}
 
-    # ---- /v1/completions and /v1/chat/completions ----
     async def completions(self, request: web.Request):
         body, model, n = await self.start(request, P.COMPLETIONS)
         logprobs = number(body, "logprobs", 0, 0, min(MAX_LOGPROBS, self.vocab), integer=True)
@@ -217,7 +207,7 @@ class Server:
             "logprobs": self.completion_logprobs(c, name) if body.get("logprobs") is not None else None,
             "prompt_logprobs": None, "routed_experts": None,
             "prompt_token_ids": prompt if body.get("return_token_ids") else None}
-            for prompt, group in zip(prompts, out if not isinstance(out, Exception) else []) for c in group]
+            for prompt, group in zip(prompts, out) for c in group]
         return self.respond(out, prompts, model, {"object": "text_completion", "choices": choices,
                                                   "ec_transfer_params": None, "metrics": None}, "cmpl")
 
@@ -229,22 +219,19 @@ class Server:
             raise P.BadRequest("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
         prompts = await self.chat_prompt(body)
         out = await self.scheduler.submit(model, prompts, self.sampling(body, prompts, n, top))
-        choices = []
-        for c in out[0] if not isinstance(out, Exception) else []:
-            choice = self.choice(c, body, model)
-            message = {"role": "assistant", "content": choice.pop("text"), "tool_calls": []}
-            choices.append(choice | {"message": message, "logprobs": self.chat_logprobs(c, top) if logprobs else None})
+        choices = [self.choice(c, body, model, chat=True) | {
+            "logprobs": self.chat_logprobs(c, top) if logprobs else None} for c in out[0]]
         return self.respond(out, prompts, model, {"object": "chat.completion", "choices": choices,
                                                   "prompt_logprobs": None, "prompt_token_ids": None}, "chatcmpl")
 
-    def choice(self, c, body: dict, model: str) -> dict:
-        """What both routes' choices share. The text ends before a stop token or stop string, as in vLLM."""
+    def choice(self, c, body: dict, model: str, chat: bool = False) -> dict:
+        """A choice of either route. The text ends before a stop token or stop string, as in vLLM."""
         ids = c.token_ids[:-1] if c.finish_reason == "stop" and c.text is None else c.token_ids
-        skip = body.get("skip_special_tokens") in (None, True)
-        return {"text": c.text if c.text is not None else self.decode(ids, skip),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "token_ids": c.token_ids if body.get("return_token_ids") else None,
-                "adapter": model, "adapter_digest": c.adapter_digest}
+        text = c.text if c.text is not None else self.decode(ids, body.get("skip_special_tokens") in (None, True))
+        said = {"message": {"role": "assistant", "content": text, "tool_calls": []}} if chat else {"text": text}
+        return said | {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                       "token_ids": c.token_ids if body.get("return_token_ids") else None,
+                       "adapter": model, "adapter_digest": c.adapter_digest}
 
     def completion_logprobs(self, c, name) -> dict:
         tokens, clamp = [name(t) for t in c.token_ids], lambda lp: max(lp, -9999.0)  # -inf is sent as -9999.0
@@ -261,8 +248,6 @@ class Server:
                             for t, lp, alts in zip(c.token_ids, c.logprobs, alternatives)]}
 
     def respond(self, out, prompts: list[list[int]], model: str, body: dict, prefix: str) -> web.Response:
-        if isinstance(out, Exception):
-            return P.error(500, f"{type(out).__name__}: {out}", "InternalServerError")
         completion = sum(len(c.token_ids) for group in out for c in group)
         prompt_tokens = sum(map(len, prompts))  # once per prompt, whatever n is
         digest = ",".join(dict.fromkeys(c.adapter_digest for g in out for c in g if c.finish_reason != "abort"))
@@ -275,11 +260,8 @@ class Server:
                       "completion_tokens_details": None}},
             headers={P.ADAPTER_HEADER: model, P.DIGEST_HEADER: digest})
 
-    # ---- runtime LoRA ----
     async def load_lora(self, request: web.Request):
-        if request.content_type != "application/json":
-            return P.error(400, "Unsupported Media Type: Only 'application/json' is allowed")
-        body = await P.read_json(request, self.cfg.body_timeout_s)
+        body = P.parse_json(await request.read())
         name, path = body.get("lora_name"), body.get("lora_path")
         invalid = lambda message, param=None: P.error(400, message, "InvalidUserInput", param)
         if not name or not path or not isinstance(name, str) or not isinstance(path, str):
@@ -309,7 +291,7 @@ class Server:
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora(self, request: web.Request):
-        name = (await P.read_json(request, self.cfg.body_timeout_s)).get("lora_name")
+        name = P.parse_json(await request.read()).get("lora_name")
         if not name or not isinstance(name, str):
             return P.error(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
         if name not in self.scheduler.adapters:
@@ -317,7 +299,6 @@ class Server:
         self.scheduler.remove(name)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
-    # ---- models, health, dev mode ----
     async def models(self, request):
         def card(id_, root, parent, max_len, created):
             return {"id": id_, "object": "model", "created": created, "owned_by": "vllm", "root": root,
@@ -338,50 +319,41 @@ class Server:
         return web.json_response({"status": "resumed"})
 
     async def server_info(self, request):
-        config = {"model_config": {"model": self.cfg.model, "served_model_name": self.name,
-                                   "dtype": f"torch.{self.cfg.dtype}", "max_model_len": self.max_model_len,
-                                   "logprobs_mode": "processed_logprobs"},
-                  "cache_config": {"block_size": 16, "enable_prefix_caching": False},
+        """vLLM's config in its layout, only the fields a client reads to size its requests."""
+        config = {"model_config": {"model": self.cfg.model, "max_model_len": self.max_model_len,
+                                   "max_logprobs": MAX_LOGPROBS, "logprobs_mode": "processed_logprobs"},
                   "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
-                  "lora_config": {"max_lora_rank": self.cfg.max_lora_rank, "max_loras": self.cfg.max_loras,
-                                  "max_cpu_loras": self.cfg.max_cpu_loras, "lora_dtype": "torch.float32",
-                                  "fully_sharded_loras": False, "target_modules": self.targets}}
+                  "lora_config": {k: getattr(self.cfg, k) for k in ("max_lora_rank", "max_loras", "max_cpu_loras")}}
         as_json = request.query.get("config_format") == "json"
         return web.json_response({"vllm_config": config if as_json else str(config), "system_env": {},
                                   "vllm_env": {"VLLM_SERVER_DEV_MODE": True, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}})
 
-def make_app(server: Server, api_key: str = "") -> web.Application:
-    app = web.Application(middlewares=[P.guard(api_key)], client_max_size=server.cfg.max_body_mb * 2**20)
-
-    def fixed(make):  # a route whose answer needs no work
-        async def handler(request):
-            return make()
-        return handler
-
-    app.add_routes([
-        web.post(P.COMPLETIONS, server.completions), web.post(P.CHAT, server.chat),
-        web.post(P.LOAD, server.load_lora), web.post(P.UNLOAD, server.unload_lora), web.get(P.MODELS, server.models),
-        web.get(P.HEALTH, fixed(web.Response)), web.route("*", P.PING, fixed(web.Response)),
-        web.get(P.VERSION, fixed(lambda: web.json_response({"version": VERSION}))),
-        web.post(P.PAUSE, server.pause), web.post(P.RESUME, server.resume),
-        web.get(P.IS_PAUSED, fixed(lambda: web.json_response({"is_paused": server.scheduler.paused is not None}))),
-        web.post(P.RESET_PREFIX_CACHE, fixed(lambda: web.json_response({"success": True}))),
-        web.get(P.SERVER_INFO, server.server_info),
-        web.get(P.WORLD_SIZE, fixed(lambda: web.json_response({"world_size": 1})))])
-
-    async def start_worker(app):
-        app["worker"] = asyncio.create_task(server.scheduler.run())
-    app.on_startup.append(start_worker)
-    return app
+    def routes(self) -> list:
+        def fixed(make):  # a route whose answer needs no work
+            async def handler(request):
+                return make()
+            return handler
+        return [
+            web.post(P.COMPLETIONS, self.completions), web.post(P.CHAT, self.chat), web.get(P.MODELS, self.models),
+            web.post(P.LOAD, self.load_lora), web.post(P.UNLOAD, self.unload_lora),
+            web.post(P.PAUSE, self.pause), web.post(P.RESUME, self.resume), web.get(P.SERVER_INFO, self.server_info),
+            web.get(P.HEALTH, fixed(web.Response)), web.route("*", P.PING, fixed(web.Response)),
+            web.get(P.VERSION, fixed(lambda: web.json_response({"version": VERSION}))),
+            web.get(P.IS_PAUSED, fixed(lambda: web.json_response({"is_paused": self.scheduler.paused is not None}))),
+            web.post(P.RESET_PREFIX_CACHE, fixed(lambda: web.json_response({"success": True}))),
+            web.get(P.WORLD_SIZE, fixed(lambda: web.json_response({"world_size": 1})))]
 
 
 def main():
     cfg, = HfArgumentParser(ServeConfig).parse_args_into_dataclasses()
     torch.set_num_threads(cfg.threads)
     server = Server(cfg)
-    print(f"minigrpo.serve: {server.name} on http://{cfg.host}:{cfg.port} (max_lora_rank {cfg.max_lora_rank}, "
-          f"max_loras {cfg.max_loras})\n  {asdict(cfg) | {'api_key': '***' if cfg.api_key else ''}}", flush=True)
-    P.run(make_app(server, cfg.api_key), cfg.host, cfg.port, cfg.header_timeout_s)
+
+    async def worker(app):  # the scheduler's loop runs beside the routes
+        task = asyncio.create_task(server.scheduler.run())
+        yield
+        task.cancel()
+    P.run(cfg, cfg.api_key, server.routes(), worker, f"minigrpo.serve: {server.name}")
 
 
 if __name__ == "__main__":
