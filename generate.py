@@ -1,22 +1,16 @@
 """generate.py: the generation side of minigrpo.
 
-Samples G completions per prompt with the newest published adapter, scores them with the task's reward, and
-drops each finished group into RUN/rollouts/ for the trainer. It shares nothing with the trainer but the
-run directory:
-  - it watches RUN/adapters/LATEST and loads a new version between batches (a batch finishes with the version
-    it started with, and every group is stamped with that version and the digest of its weights);
-  - it waits while --max_ready groups are waiting for the trainer (backpressure), and logs how long it waited;
-  - it exits by itself when the trainer writes RUN/DONE.
-Start as many generators as you like on one run directory, on any machines that reach it.
+Samples G completions per prompt with the newest published adapter (RUN/adapters/LATEST, loaded between
+batches), scores them with the task's reward, and writes each finished group, whole, into RUN/rollouts/ for the
+trainer, stamped with the adapter version it was sampled with and the digest of its weights. It waits while
+--max_ready groups wait for the trainer (backpressure), and exits when the trainer writes RUN/DONE. It shares
+nothing with the trainer but the run directory: start as many generators as you like, on any machines.
 
     python generate.py & python train.py                                  # the demo, one CPU machine
     python generate.py --run_dir s3://bucket/run1 --device cuda:0         # one generator per GPU, any machine
     python generate.py --engine http --url http://127.0.0.1:8000 --api_key KEY   # through a server or proxy.py
     python generate.py --engine http --replica_run_dir /mnt/bucket/run1 ...      # vllm serve replicas that mount it
     python generate.py --engine vllm --model Qwen/Qwen2.5-Math-1.5B ...          # vLLM in-process, one GPU
-
-Left out on purpose: prompt deduplication across generators (each samples its own prompts from its own seed)
-and partial groups (a group is written whole or not at all).
 """
 import collections
 import os
@@ -43,12 +37,9 @@ from minigrpo.tasks import make_task, prompt_ids, score
 
 @dataclass
 class GenerateConfig:
-    run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory: a folder or a URL "
-                                                                "(s3://bucket/prefix, gs://..., hf://buckets/...)"})
-    replica_run_dir: str = field(default="", metadata={"help": "--engine http: where the replicas see the run "
-                                 "directory (a vllm serve replica reads adapters from its own mount of the bucket)"})
-    engine: str = field(default="torch", metadata={"help": "torch (built in, CPU or GPU) | http (a vLLM-compatible "
-                                                           "server or proxy.py) | vllm (in-process, GPU)"})
+    run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory: a folder or a URL"})
+    replica_run_dir: str = field(default="", metadata={"help": "--engine http: the run directory as replicas see it"})
+    engine: str = field(default="torch", metadata={"help": "torch (built in) | http (vLLM server, proxy.py) | vllm"})
     url: str = field(default="http://127.0.0.1:8000", metadata={"help": "--engine http: the server or proxy address"})
     api_key: str = field(default="", metadata={"help": "--engine http: the server's API key (or env MINIGRPO_API_KEY)"})
     max_inflight: int = field(default=64, metadata={"help": "--engine http: most requests in flight at once"})
@@ -61,11 +52,9 @@ class GenerateConfig:
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the trainer)"})
     poll_s: float = field(default=0.05, metadata={"help": "how often to look at LATEST, rollouts/ and DONE while waiting"})
     max_batches: int = field(default=0, metadata={"help": "stop after this many batches (0: until DONE)"})
-    lockstep: bool = field(default=False, metadata={"help": "synchronous GRPO for comparison: sample only after the "
-                                                             "trainer took the last batch and published a newer adapter"})
+    lockstep: bool = field(default=False, metadata={"help": "synchronous GRPO, for comparison: wait for each adapter"})
 
 
-# ---------------------------------------------------------------------------------------------------------------
 def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
     """(engine, tokenizer). Only the torch engine holds the model here; the others need just the tokenizer."""
     if cfg.engine == "torch":
@@ -84,27 +73,14 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
 
 
 def waiting_groups(buffer: RolloutBuffer, mine: list) -> int:
-    """Groups written but not consumed yet. A live trainer's lease says how many it saw waiting when it last
-    looked (at each step, and every second while it waits for groups); add what this generator wrote since
-    (mine: (time, groups) of its writes). Without a live trainer, count the objects in rollouts/ less those its
-    lease says it consumed (a listing: slower on a bucket)."""
+    """Groups written but not consumed yet: what a live trainer's lease saw waiting, plus what this generator
+    wrote since (mine: (time, groups) of its writes); else the listing of rollouts/ less what the lease consumed."""
     lease = read_json(buffer.storage, "owner.json") or {}
     if "waiting" not in lease or time.time() - lease["heartbeat"] > lease["timeout_s"]:
         return len(buffer.listed()) - lease.get("pending", 0)
     return lease["waiting"] + sum(n for t, n in mine if t > lease["waiting_at"])
 
 
-def wait_for_first_adapter(store: AdapterStore, poll_s: float):
-    """Wait until the trainer's first publish names a version in LATEST (or the run ended)."""
-    t0, said = time.time(), False
-    while store.latest() is None and not store.storage.exists("DONE"):
-        if not said and time.time() - t0 > 10:
-            print(f"waiting for the trainer to publish {store.storage.url('adapters/LATEST')} (is train.py running?)", flush=True)
-            said = True
-        time.sleep(poll_s)
-
-
-# ---------------------------------------------------------------------------------------------------------------
 def main():
     run, cfg = parse_config(RunSettings, GenerateConfig)
     gen_id = cfg.generator_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -127,8 +103,7 @@ def main():
     batch = written = 0
     mine = collections.deque(maxlen=1000)  # (time, groups) of this generator's writes, for backpressure
     skipped = set()  # adapter versions that could not be loaded
-    wait_for_first_adapter(store, poll_s)
-    idle_since = time.time()
+    idle_since, say_at = time.time(), time.time() + 10  # say_at: when to say, once, that no adapter came yet
     while (not cfg.max_batches or batch < cfg.max_batches) and not storage.exists("DONE"):
         # backpressure: wait while max_ready groups wait (lock-step: until none waits and a newer adapter is out)
         waiting = waiting_groups(buffer, mine)
@@ -147,6 +122,9 @@ def main():
                 print(f"generator {gen_id}: cannot load {path} ({type(e).__name__}: {e}); "
                       f"{'staying on version ' + str(engine.version) if engine.version is not None else 'waiting'}", flush=True)
         if engine.version is None:  # no version could be loaded yet: wait for the next one (not backpressure)
+            if time.time() > say_at:
+                print(f"waiting for a loadable {storage.url('adapters/LATEST')} (is train.py running?)", flush=True)
+                say_at = float("inf")
             idle_since = time.time()
             time.sleep(poll_s)
             continue
@@ -167,7 +145,6 @@ def main():
         mine.append((time.time(), len(prompts)))
         batch += 1
 
-        # ---- log ----
         n_tok = sum(len(c.token_ids) for g in completions for c in g)
         flat = [x for r in rewards for x in r]
         record = {"batch": batch, "generator": gen_id, "policy_version": version, "reward/mean": sum(flat) / len(flat),
@@ -185,8 +162,6 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except ServerError as e:  # the server or proxy refused or stayed unreachable through every retry
-        raise SystemExit(f"generate.py: {e}")
-    except OSError as e:  # a full disk, a refused bucket, a vanished mount: one line, keep what is written
+    except (ServerError, OSError) as e:  # a server that stayed unreachable, a full disk, a refused bucket
         raise SystemExit(f"generate.py: {e}\nEvery group it finished is intact (groups appear whole or not at "
                          f"all); fix the problem and start it again.")

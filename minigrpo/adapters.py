@@ -1,17 +1,13 @@
-"""Versioned adapter publishing and discovery: how new weights reach the generators without NCCL.
+"""Versioned adapter publishing: how new weights reach the generators without NCCL.
 
-    RUN/adapters/policy-<run id>-v000000/   version 0, the untrained adapter (B = 0): exactly the base model
-    RUN/adapters/policy-<run id>-v000001/   ... each a PEFT directory; adapter_model.safetensors is written last,
-                                            so a version is complete once it exists
-    RUN/adapters/LATEST                     the name of the newest complete version, replaced after its files
-
+Version v is the PEFT directory RUN/adapters/policy-<run id>-v<v:06d>/ (v0, with B = 0, is exactly the base
+model). It is complete once its weights, written last, exist; then RUN/adapters/LATEST is replaced with its name.
 A name always means one set of weights (vLLM keys its prefix cache by adapter name), so names carry the run id
-(two runs never share a name on one fleet of replicas) and are never reused, not even after a crash: a
-restarted trainer publishes one past the highest version it can find. The trainer keeps the newest
-max_staleness + 1 versions and deletes a directory one publish after it leaves that window, since a server may
-still re-read an evicted adapter from its path. The adapter's digest (the first 16 hex digits of the sha256 of
-its weights file) lets the trainer check that a sampler really used the version it claims.
+and are never reused, not even after a crash. A directory is deleted one publish after it leaves the window of
+max_staleness + 1 versions, since a server may still re-read an evicted adapter from its path. The digest (16 hex
+digits of the sha256 of the weights file) lets the trainer check that a sampler used the version it claims.
 """
+import contextlib
 import re
 
 from minigrpo.lora import adapter_digest, adapter_files
@@ -35,11 +31,9 @@ class AdapterStore:
 
     def latest(self) -> int | None:
         """The version named by LATEST, or None before the trainer's first publish."""
-        try:
-            m = self.pattern.match(self.storage.get("adapters/LATEST").decode().strip())
-        except FileNotFoundError:
-            return None
-        return int(m.group(1)) if m else None
+        with contextlib.suppress(FileNotFoundError):
+            if m := self.pattern.match(self.storage.get("adapters/LATEST").decode().strip()):
+                return int(m.group(1))
 
     def next_version(self, at_least: int = 0) -> int:
         """One past the highest version ever written, so that no name is reused after a restart."""
@@ -66,9 +60,7 @@ class AdapterStore:
     def digest(self, version: int) -> str:
         """The digest of a version's weights ("" if it is gone), computed once."""
         if version not in self.digests:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 weights = self.storage.get(f"adapters/{self.name(version)}/adapter_model.safetensors")
                 self.digests[version] = adapter_digest(weights)
-            except FileNotFoundError:
-                return ""
-        return self.digests[version]
+        return self.digests.get(version, "")

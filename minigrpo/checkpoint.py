@@ -1,10 +1,6 @@
-"""Trainer checkpoints, for resuming after preemption: RUN/checkpoints/step-NNNNNN/ holds
-
-    adapter_config.json, adapter_model.safetensors   the LoRA weights (PEFT format, like a published adapter)
-    optimizer.pt                                     AdamW state and the torch RNG state
-    trainer_state.json                               step, version, counters, the ledger of consumed groups,
-                                                     the resolved configuration
-    MANIFEST                                         written last: each file's sha256
+"""Trainer checkpoints, for resuming after preemption: RUN/checkpoints/step-NNNNNN/ holds the adapter (PEFT
+format), optimizer.pt (AdamW state and the torch RNG state), trainer_state.json (step, version, counters, the
+ledger of consumed groups, the resolved configuration) and, written last, MANIFEST: each file's sha256.
 
 A checkpoint without its MANIFEST does not exist. Loading checks every file against it, and resume falls back to
 the previous checkpoint when the newest is damaged, naming what it skipped. The newest two are kept.
@@ -20,31 +16,26 @@ from safetensors.torch import load
 from minigrpo.lora import adapter_files, load_lora_state_dict
 
 NAME = re.compile(r"^step-(\d{6,})$")
-KEEP = 2
 
 
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def save_checkpoint(storage, step: int, model_state: dict, adapter_config: dict, optimizer, state: dict) -> str:
+def save_checkpoint(storage, step: int, model_state: dict, adapter_config: dict, optimizer, state: dict):
     key = f"checkpoints/step-{step:06d}"
     storage.delete(key, recursive=True)  # what an earlier life left without a MANIFEST
     blob = io.BytesIO()
     torch.save({"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}, blob)
-    files = adapter_files(model_state, adapter_config) | {"optimizer.pt": blob.getvalue(),
-                                                          "trainer_state.json": json.dumps(state | {"step": step}).encode()}
+    files = adapter_files(model_state, adapter_config)
+    files |= {"optimizer.pt": blob.getvalue(), "trainer_state.json": json.dumps(state | {"step": step}).encode()}
     for name, data in files.items():
         storage.put(f"{key}/{name}", data)
-    storage.put(f"{key}/MANIFEST", json.dumps({name: sha256(data) for name, data in files.items()}, indent=1))
-    return storage.url(key)
+    manifest = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    storage.put(f"{key}/MANIFEST", json.dumps(manifest, indent=1))
 
 
 def prune_checkpoints(storage):
-    """Keep the newest KEEP complete checkpoints (and anything newer, e.g. one being written)."""
+    """Keep the newest two complete checkpoints (and anything newer, e.g. one being written)."""
     steps = [s for s in storage.list("checkpoints") if NAME.match(s)]
     complete = [s for s in steps if storage.exists(f"checkpoints/{s}/MANIFEST")]
-    storage.delete([f"checkpoints/{s}" for s in steps if complete and s < complete[-KEEP:][0]], recursive=True)
+    storage.delete([f"checkpoints/{s}" for s in steps if complete and s < complete[-2:][0]], recursive=True)
 
 
 def load_checkpoint(storage, model, optimizer) -> tuple[dict | None, list[str]]:
@@ -58,8 +49,7 @@ def load_checkpoint(storage, model, optimizer) -> tuple[dict | None, list[str]]:
         try:
             manifest = json.loads(storage.get(f"{key}/MANIFEST"))
             files = {name: storage.get(f"{key}/{name}") for name in manifest}
-            bad = [name for name, data in files.items() if sha256(data) != manifest[name]]
-            if bad:
+            if bad := [name for name, data in files.items() if hashlib.sha256(data).hexdigest() != manifest[name]]:
                 raise ValueError(f"{', '.join(bad)} do not match the MANIFEST")
             blob = torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True)
             state = json.loads(files["trainer_state.json"])

@@ -1,14 +1,10 @@
 """The rollout record and the rollout buffer: the only data that flows from generators to the trainer.
 
 One group (G completions of one prompt, all sampled with one adapter version) is one safetensors object,
-RUN/rollouts/<writer>-<seq>.safetensors: tensors for the ids and log-probs, string metadata for the rest.
-<writer> is the generator id plus a random suffix for this life of the process and <seq> counts its groups,
-so no two writers ever use one name. A group is written once and never moved; it is read once:
-
-  - the trainer records what it consumed (the Ledger, saved in every checkpoint), not by moving files;
-  - a group is deleted only once two complete checkpoints cover it, so resuming from either never needs it
-    again (garbage collection, idempotent: a resume repeats it);
-  - a group that cannot be read or validated is copied to RUN/bad/ with <id>.reason.txt and never trained.
+RUN/rollouts/<writer>-<seq>.safetensors: tensors for the ids and log-probs, string metadata for the rest. It is
+written once and never moved. The trainer records what it consumed in its Ledger (saved in every checkpoint),
+deletes a group once two complete checkpoints cover it, and copies one it cannot read or validate to RUN/bad/
+with <id>.reason.txt, never training it.
 """
 import itertools
 import json
@@ -96,30 +92,14 @@ def group_key(group_id: str) -> str:
     return f"rollouts/{group_id}.safetensors"
 
 
-def compact(ids) -> dict[str, list[list[int]]]:
-    """Group ids as {writer: [[first_seq, last_seq], ...]}: a few numbers per generator instead of a list."""
-    out = {}
-    for writer, seq in sorted((i.rsplit("-", 1)[0], int(i.rsplit("-", 1)[1])) for i in ids):
-        runs = out.setdefault(writer, [])
-        if runs and runs[-1][1] == seq - 1:
-            runs[-1][1] = seq
-        else:
-            runs.append([seq, seq])
-    return out
-
-
-def expand(runs: dict[str, list[list[int]]]) -> set[str]:
-    return {f"{writer}-{seq:06d}" for writer, rs in runs.items() for a, b in rs for seq in range(a, b + 1)}
-
-
 class Ledger:
-    """What the trainer has consumed, by group id. A checkpoint saves two sets: `collect`, consumed before
+    """What the trainer has consumed, by group id. A checkpoint saves two lists: `collect`, consumed before
     the previous checkpoint (safe to delete once this checkpoint is complete: every checkpoint a resume can
     pick covers them), and `consumed`, consumed since. `taken` is this life's, since the last checkpoint."""
 
     def __init__(self, state: dict | None = None):
         state = state or {}
-        self.collect, self.consumed = expand(state.get("collect", {})), expand(state.get("consumed", {}))
+        self.collect, self.consumed = set(state.get("collect", [])), set(state.get("consumed", []))
         self.taken, self.skip = set(), self.collect | self.consumed
 
     def take(self, group_id: str):
@@ -128,7 +108,7 @@ class Ledger:
 
     def state(self) -> dict:
         """What the next checkpoint records; after it is complete, call advance()."""
-        return {"collect": compact(self.consumed), "consumed": compact(self.taken)}
+        return {"collect": sorted(self.consumed), "consumed": sorted(self.taken)}
 
     def advance(self):
         self.collect, self.consumed, self.taken = self.consumed, self.taken, set()
@@ -143,7 +123,6 @@ class RolloutBuffer:
         self.storage, self.order = storage, {}  # order: unconsumed group ids in the order first seen (FIFO)
         self.listed_at = 0.0  # when take() last listed rollouts/: order holds what was waiting then
 
-    # ---- generator side ----
     def write(self, groups: list[Group], writer: str, seq: int) -> list[str]:
         """Add finished groups, one object each, numbered from seq on (together: one round trip on a bucket)."""
         for i, group in enumerate(groups):
@@ -155,14 +134,12 @@ class RolloutBuffer:
         """Ids of the groups in rollouts/, consumed or not (the trainer publishes how many of them it consumed)."""
         return [n.removesuffix(".safetensors") for n in self.storage.list("rollouts") if n.endswith(".safetensors")]
 
-    # ---- trainer side ----
     def take(self, n: int, ledger: Ledger, validate=None, stats=None) -> list[Group]:
         """Up to n of the oldest groups the ledger has not seen, each recorded in it. A group that cannot be
         read or validated, for any reason, is quarantined (counted in stats) and the trainer goes on."""
         stats, self.listed_at = {} if stats is None else stats, time.time()
-        for gid in sorted(self.listed(), key=lambda i: (int(i.rsplit("-", 1)[-1]), i)):  # new ones: by sequence number
-            if gid not in ledger.skip:
-                self.order.setdefault(gid, None)
+        new = sorted((i for i in self.listed() if i not in ledger.skip), key=lambda i: (int(i.rsplit("-", 1)[-1]), i))
+        self.order.update(dict.fromkeys(new))  # new ones join the end by sequence number; known ones keep their place
         groups = []
         while len(groups) < n and self.order:
             batch = list(itertools.islice(self.order, n - len(groups)))  # the oldest, read together
@@ -170,12 +147,11 @@ class RolloutBuffer:
                 del self.order[gid]
                 if isinstance(data, FileNotFoundError):  # a listing that lags a delete
                     continue
-                if isinstance(data, ValueError):  # not a regular file
-                    self.quarantine(gid, None, str(data), stats)
-                    continue
-                if isinstance(data, Exception):  # the store itself failed: that is not the group's fault
+                if isinstance(data, Exception) and not isinstance(data, ValueError):  # the store failed, not the group
                     raise OSError(f"cannot read {self.storage.url(group_key(gid))}: {data}") from data
                 try:
+                    if isinstance(data, ValueError):  # not a regular file
+                        raise data
                     group = read_group(data, gid)
                     if validate:
                         validate(group)
@@ -187,11 +163,11 @@ class RolloutBuffer:
                 groups.append(group)
         return groups
 
-    def quarantine(self, group_id: str, data: bytes | None, reason: str, stats: dict):
+    def quarantine(self, group_id: str, data: bytes | Exception, reason: str, stats: dict):
         """Keep the evidence in bad/, then remove the group from rollouts/ (it is never read again)."""
         stats["bad_total"] = stats.get("bad_total", 0) + 1
         self.storage.put(f"bad/{group_id}.reason.txt", reason + "\n")
-        if data is not None:
+        if isinstance(data, bytes):
             self.storage.put(f"bad/{group_id}.safetensors", data)
         self.storage.delete(group_key(group_id))
         print(f"[rollouts] quarantined {group_id}: {reason}", flush=True)
@@ -217,9 +193,8 @@ def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_o
         raise ValueError(f"policy_version {group.policy_version} is from the future (trainer at {version})")
     if not 1 <= len(group.prompt_ids) <= run["max_prompt_len"]:
         raise ValueError(f"prompt_ids: {len(group.prompt_ids)} tokens, the run allows 1 to {run['max_prompt_len']}")
-    if max(map(len, group.completion_ids)) > run["max_new_tokens"]:
-        raise ValueError(f"completion_ids: {max(map(len, group.completion_ids))} tokens, the run's "
-                         f"max_new_tokens is {run['max_new_tokens']}")
+    if (longest := max(map(len, group.completion_ids))) > run["max_new_tokens"]:
+        raise ValueError(f"completion_ids: {longest} tokens, the run's max_new_tokens is {run['max_new_tokens']}")
     ids = group.prompt_ids + [t for c in group.completion_ids for t in c]
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise ValueError(f"token ids must lie in [0, {vocab_size}): found {min(ids)}..{max(ids)}")

@@ -1,10 +1,5 @@
-"""The run: the settings every process must agree on (run.json), the trainer's lease (owner.json), the metrics
-records, and the fault points the crash tests use. All of it goes through storage.py.
-
-    RUN/run.json     run id (random, made when the trainer creates the run) + RunSettings; written once
-    RUN/owner.json   the lease: one trainer owns a run (owner id, host, pid, heartbeat time, progress)
-    RUN/metrics/     train-*.jsonl, generate-<id>-*.jsonl: one JSON record per line, written in segments
-    RUN/DONE         written by the trainer at the end; generators exit when they see it
+"""The run: the settings every process must agree on (RUN/run.json), the trainer's lease (RUN/owner.json), the
+metrics records (RUN/metrics/) and the fault points the crash tests use. All of it goes through storage.py.
 """
 import contextlib
 import dataclasses
@@ -47,34 +42,29 @@ class RunSettings:
         return trainer_version - policy_version <= self.max_staleness
 
 
-# Recipes as flags. Each script applies the flags its own config has; flags given on the command line win.
-PRESETS = {
-    # the blog's run: Qwen2.5-Math-1.5B, rank-1 LoRA on every projection, Dr. GRPO with truncated IS at 2
-    # (the oat / "off-policy RL" recipe), 8 completions a prompt, 128 a step, an adapter every 4 steps
-    "qwen-math-1.5b": dict(model="Qwen/Qwen2.5-Math-1.5B", task="math", lora_r=1, lora_alpha=2, group_size=8,
-                           max_new_tokens=3000, temperature=1.0, lr=4e-5, groups_per_step=16, max_staleness=4,
-                           sync_every=4, loss_type="dr_grpo", old_logp="recompute", tis_cap=2.0, dtype="bfloat16",
-                           micro_batch_tokens=16384, eval_every=50, eval_size=500, max_steps=500),
-}
-# the same recipe for a reasoning model: grade after </think>, longer completions
-PRESETS["r1-distill-1.5b"] = PRESETS["qwen-math-1.5b"] | dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
-                                                              reasoning=True, max_new_tokens=8192)
+# Recipes as flags (README: Real models). Each script applies the flags its own config has; later flags win.
+PRESETS = {"qwen-math-1.5b": dict(  # the blog's run: Dr. GRPO with truncated IS at 2 (the oat / "off-policy RL" recipe)
+    model="Qwen/Qwen2.5-Math-1.5B", task="math", lora_r=1, lora_alpha=2, group_size=8, max_new_tokens=3000,
+    temperature=1.0, lr=4e-5, groups_per_step=16, max_staleness=4, sync_every=4, loss_type="dr_grpo",
+    old_logp="recompute", tis_cap=2.0, dtype="bfloat16", micro_batch_tokens=16384, eval_every=50, eval_size=500,
+    max_steps=500)}
+PRESETS["r1-distill-1.5b"] = PRESETS["qwen-math-1.5b"] | dict(  # the same for a reasoning model: grade after </think>
+    model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", reasoning=True, max_new_tokens=8192)
 
 
 def parse_config(*types, argv=None):
     """HfArgumentParser over the dataclasses, after expanding --preset NAME into the flags these dataclasses know."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    flags = []
     if "--preset" in argv:
         i = argv.index("--preset")
         name = argv[i + 1] if i + 1 < len(argv) else ""
         if name not in PRESETS:
             raise SystemExit(f"--preset must be one of {sorted(PRESETS)}, got {name!r}")
-        del argv[i:i + 2]
         known = {f.name for t in types for f in dataclasses.fields(t)}
         flags = [x for k, v in PRESETS[name].items() if k in known for x in (f"--{k}", str(v))]
+        argv = flags + argv[:i] + argv[i + 2:]  # flags given on the command line come later, and win
     parser = HfArgumentParser(types, epilog=f"--preset NAME applies a recipe first: {', '.join(sorted(PRESETS))}")
-    return parser.parse_args_into_dataclasses(flags + argv)
+    return parser.parse_args_into_dataclasses(argv)
 
 
 FAULT = os.environ.get("MINIGRPO_FAULT", "")  # <point>:<step>, for the crash tests; read once
@@ -82,8 +72,7 @@ FAULT = os.environ.get("MINIGRPO_FAULT", "")  # <point>:<step>, for the crash te
 
 def fault(point: str, step: int):
     """MINIGRPO_FAULT=<point>:<step> exits at once (os._exit(137), no cleanup, like SIGKILL) the first time the
-    trainer reaches that point at or after that step. Points: after_checkpoint, mid_gc, after_metrics,
-    before_latest. Unset, this is one string comparison."""
+    trainer reaches that point at or after that step (after_checkpoint, mid_gc, after_metrics, before_latest)."""
     if FAULT and FAULT.split(":")[0] == point and step >= int(FAULT.split(":")[1]):
         print(f"MINIGRPO_FAULT: exiting at {point}, step {step}", flush=True)
         os._exit(137)
@@ -133,16 +122,14 @@ def check_run(storage, settings: RunSettings, theirs: dict) -> dict:
 
 
 class Lease:
-    """owner.json: one trainer owns a run. The owner rewrites it every timeout_s / 6 with the time and its
-    progress (generators read `waiting` and `pending` from it for backpressure). Another trainer refuses to
-    start while the heartbeat is younger than timeout_s, and takes the run over after that. The owner checks
-    the lease before each step and exits at once if someone else took it."""
+    """owner.json: one trainer owns a run, and rewrites it every timeout_s / 6 with the time and its progress
+    (generators read `waiting` and `pending` from it for backpressure). Another trainer takes the run over once
+    the heartbeat is timeout_s old; the owner checks the lease before each step and exits if it was taken."""
 
     def __init__(self, storage, timeout_s: float = 60.0):
-        self.storage, self.timeout_s, self.lock = storage, timeout_s, threading.Lock()
+        self.storage, self.timeout_s, self.lock, self.stop = storage, timeout_s, threading.Lock(), threading.Event()
         self.info = {"owner": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(),
                      "timeout_s": timeout_s}
-        self.stop = threading.Event()
 
     def acquire(self):
         theirs = read_json(self.storage, "owner.json")

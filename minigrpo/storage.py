@@ -1,28 +1,16 @@
 """The run directory's storage: every read and write of RUN goes through this module.
 
-RUN is a local path or an fsspec URL, with the backend's own way of finding credentials and endpoints:
-
-    runs/demo, /mnt/nfs/run1        a folder (nothing to install)
-    s3://bucket/prefix              S3 or any S3 server (pip install -r requirements-storage.txt; the usual AWS
-                                    variables: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...)
-    gs://bucket/prefix              Google Cloud Storage (gcsfs)
-    hf://buckets/OWNER/NAME/prefix  a Hugging Face storage bucket (huggingface_hub; HF_TOKEN)
-    memory://name                   in-process, for tests
-
-Object stores have no rename, no append and no atomic directory, and their FUSE mounts fake them badly, so the
-protocol on top needs only what every store does atomically: put a whole object, get a whole object, list a
-prefix, delete. A reader sees an object whole or not at all: an object-store PUT is atomic, and on a local disk
-put() writes a hidden temp file, fsyncs it and os.replace()s it. A listing may lag a put; nothing relies on it
-being fresh. On a local disk get() reads only regular files (no symlinks, FIFOs or devices), so a hostile entry
-in the run directory can neither hang a reader nor point it outside the run.
-
-Any failure of the store itself (disk full, permission denied, a bucket's 403 or 5xx after the backend's
-retries) is an OSError whose message names the object; the scripts turn it into one line and exit code 1.
+RUN is a local path or an fsspec URL (s3://, gs://, hf://buckets/, memory:// for tests). Object stores have no
+rename, no append and no atomic directory, so the protocol needs only what every store does atomically: put a
+whole object, get a whole object, list a prefix (a listing may lag a put), delete. On a local disk put() writes
+a hidden temp file, fsyncs it and os.replace()s it, and get() reads only regular files, so a hostile entry in
+the run directory can neither hang a reader nor point it outside the run. Any failure of the store itself (disk
+full, permission denied, a bucket's 403 or 5xx after the backend's retries) is an OSError whose message names
+the object; the scripts turn it into one line and exit code 1.
 """
 import contextlib
 import glob
 import os
-import shutil
 import stat
 import time
 import uuid
@@ -49,8 +37,7 @@ class Storage:
 
     @contextlib.contextmanager
     def _naming(self, what: str, key: str):
-        """Any failure of the store becomes one OSError naming the object (FileNotFoundError stays one, except on
-        a write)."""
+        """Any failure becomes one OSError naming the object (FileNotFoundError stays one, except on a write)."""
         try:
             yield
         except Exception as e:  # noqa: BLE001 - whatever the backend raises
@@ -78,16 +65,14 @@ class Storage:
 
     def put_many(self, objects: "dict[str, bytes]"):
         """put() of several objects, concurrently on a bucket."""
-        if self.local or len(objects) < 2:
-            for key, data in objects.items():
-                self.put(key, data)
-            return
-        with self._naming("write", next(iter(objects))):
-            self.fs.pipe({f"{self.root}/{k}": v for k, v in objects.items()})
+        if not self.local:
+            with self._naming("write", next(iter(objects), "")):
+                return self.fs.pipe({f"{self.root}/{k}": v for k, v in objects.items()})
+        for key, data in objects.items():
+            self.put(key, data)
 
     def get(self, key: str) -> bytes:
-        """Read one whole object. FileNotFoundError if absent; ValueError for a local entry that is not a
-        regular file (a symlink, FIFO or device: never followed, never opened for reading)."""
+        """Read one whole object: FileNotFoundError if absent, ValueError for a local symlink, FIFO or device."""
         path = f"{self.root}/{key}"
         with self._naming("read", key):
             if not self.local:
@@ -98,8 +83,7 @@ class Storage:
         raise ValueError(f"{path} is not a regular file (a symlink, FIFO or device); refusing to read it")
 
     def get_many(self, keys: "list[str]") -> list:
-        """get() of several objects, concurrently on a bucket (one round trip's latency, not one per object).
-        Each entry is the bytes or the exception get() would have raised."""
+        """get() of several objects, concurrently on a bucket: each entry is the bytes or get()'s exception."""
         if self.local or len(keys) < 2:
             out = []
             for key in keys:
@@ -115,7 +99,7 @@ class Storage:
 
     def exists(self, key: str) -> bool:
         with self._naming("look up", key):
-            return os.path.exists(f"{self.root}/{key}") if self.local else self.fs.exists(f"{self.root}/{key}")
+            return self.fs.exists(f"{self.root}/{key}")
 
     def list(self, prefix: str) -> list[str]:
         """Sorted names directly under a prefix (objects and sub-prefixes; local temp files left out)."""
@@ -129,25 +113,19 @@ class Storage:
         return sorted(n for n in names if not (self.local and n.startswith(".")))
 
     def delete(self, key: "str | list[str]", recursive: bool = False):
-        """Delete an object, a list of them (one bulk request on a bucket), or with recursive everything under
-        a prefix. Deleting what is gone is not an error."""
+        """Delete an object, a list of them, or with recursive everything under a prefix; what is gone is fine."""
         keys = [key] if isinstance(key, str) else key
-        if self.local:  # one by one: a missing file must not stop the rest
-            for k in keys:
-                with self._naming("delete", k), contextlib.suppress(FileNotFoundError):
-                    path = f"{self.root}/{k}"
-                    shutil.rmtree(path) if recursive and os.path.isdir(path) else os.remove(path)
-        elif keys:
-            with self._naming("delete", keys[0]), contextlib.suppress(FileNotFoundError):
-                self.fs.rm([f"{self.root}/{k}" for k in keys], recursive=recursive)
+        # one bulk request on a bucket; on a local disk one by one, since rm stops at the first missing file
+        for batch in ([[k] for k in keys] if self.local else [keys] if keys else []):
+            with self._naming("delete", batch[0]), contextlib.suppress(FileNotFoundError):
+                self.fs.rm([f"{self.root}/{k}" for k in batch], recursive=recursive)
 
     def sweep_temps(self, prefix: str, max_age_s: float = 300.0):
         """Local disks only: remove temp files older than max_age_s that a killed writer left behind."""
-        folder = f"{self.root}/{prefix}"
-        for name in (glob.glob(".*.tmp", root_dir=folder) if self.local else []):
+        for path in (glob.glob(f"{glob.escape(self.root)}/{prefix}/.*.tmp") if self.local else []):
             with contextlib.suppress(FileNotFoundError):  # another process got there first
-                if time.time() - os.lstat(f"{folder}/{name}").st_mtime > max_age_s:
-                    os.remove(f"{folder}/{name}")
+                if time.time() - os.lstat(path).st_mtime > max_age_s:
+                    os.remove(path)
 
 
 def read_bytes(path: str) -> bytes:
