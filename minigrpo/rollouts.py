@@ -88,6 +88,12 @@ def read_group(data: bytes, group_id: str) -> Group:
                  **{k: read(metadata[k]) for k, read in META.items() if k in metadata})
 
 
+def sequence_number(group_id: str) -> tuple[int, str]:
+    """Sort key: the writer's sequence number (-1 for a name without one, which is read first, like any other)."""
+    tail = group_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isascii() and tail.isdigit() else -1, group_id
+
+
 def group_key(group_id: str) -> str:
     return f"rollouts/{group_id}.safetensors"
 
@@ -99,6 +105,8 @@ class Ledger:
 
     def __init__(self, state: dict | None = None):
         state = state or {}
+        if not all(isinstance(state.get(k, []), list) for k in ("collect", "consumed")):  # ranges, before 2026-12
+            raise SystemExit("the checkpoint's ledger is in an older minigrpo's format: finish that run with it")
         self.collect, self.consumed = set(state.get("collect", [])), set(state.get("consumed", []))
         self.taken, self.skip = set(), self.collect | self.consumed
 
@@ -138,7 +146,7 @@ class RolloutBuffer:
         """Up to n of the oldest groups the ledger has not seen, each recorded in it. A group that cannot be
         read or validated, for any reason, is quarantined (counted in stats) and the trainer goes on."""
         stats, self.listed_at = {} if stats is None else stats, time.time()
-        new = sorted((i for i in self.listed() if i not in ledger.skip), key=lambda i: (int(i.rsplit("-", 1)[-1]), i))
+        new = sorted((i for i in self.listed() if i not in ledger.skip), key=sequence_number)
         self.order.update(dict.fromkeys(new))  # new ones join the end by sequence number; known ones keep their place
         groups = []
         while len(groups) < n and self.order:

@@ -332,3 +332,17 @@ def test_presets_give_both_scripts_the_same_run_settings_and_flags_still_win():
     assert gen.engine == "vllm" and parse_config(RunSettings, TrainConfig, argv=["--preset", "r1-distill-1.5b"])[0].reasoning
     with pytest.raises(SystemExit, match="preset"):
         parse_config(RunSettings, TrainConfig, argv=["--preset", "nope"])
+
+
+def test_a_group_whose_name_has_no_sequence_number_is_read_like_any_other(tmp_path):
+    storage = Storage(str(tmp_path / "run"))
+    buffer, ledger = RolloutBuffer(storage), Ledger()
+    for name in ("copied-by-hand", "g-\u00b2"):  # no number at all, and a digit int() cannot read
+        storage.put(group_key(name), save(*to_tensors(make_group())))
+    good, = buffer.write([make_group()], "g", seq=1)
+    assert [g.group_id for g in buffer.take(5, ledger)] == ["copied-by-hand", "g-\u00b2", good]
+
+
+def test_a_ledger_in_the_older_range_format_is_refused_not_misread():
+    with pytest.raises(SystemExit, match="older minigrpo"):
+        Ledger({"collect": {"g": [[0, 3]]}, "consumed": {}})
