@@ -206,6 +206,8 @@ class StopStrings:
 
     def __init__(self, rows, decode):
         self.rows = {r: sp for r, (_, sp, _) in enumerate(rows) if sp.stop}
+        if self.rows and decode is None:
+            raise ValueError("stop strings need an engine built with decode= (token ids -> text)")
         self.decode, self.seen, self.reason, self.text = decode, {r: "" for r in self.rows}, {}, {}
 
     def check(self, tokens: list[torch.Tensor], ended: torch.Tensor, t: int) -> torch.Tensor:

@@ -79,8 +79,9 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]):
-    """Check and write an adapter of the layers' own rank and scaling (a checkpoint of this run); as in
-    apply_adapter, layers it does not cover are switched off."""
+    """Check and write an adapter of the layers' own rank and scaling (a checkpoint of this run): every layer."""
+    if missing := sorted(lora_state_dict(model).keys() - state.keys()):
+        raise ValueError(f"adapter does not fit the model: missing {missing[:3]}")
     layer = next(iter(lora_layers(model).values()))
     check_adapter(model, state, layer.r)
     apply_adapter(model, state, layer.r, layer.scaling)

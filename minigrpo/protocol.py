@@ -91,6 +91,8 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
     except asyncio.TimeoutError:
         message = f"the request body did not arrive within {timeout_s:g}s"
         raise BadRequest(message, None, 408, "RequestTimeout") from None
+    except web.RequestPayloadError as e:  # e.g. a body that its Content-Encoding cannot decode
+        raise BadRequest(f"the body cannot be read: {e}") from None
 
 
 def bearer(key: str) -> dict:
@@ -131,7 +133,8 @@ def run(cfg, api_key: str, routes: list, context, banner: str):
     app = web.Application(middlewares=[guard(api_key, cfg.body_timeout_s)], client_max_size=cfg.max_body_mb * 2**20)
     app.add_routes(routes)
     app.cleanup_ctx.append(context)
-    shown = {k: "***" if v and k in ("api_key", "upstream_token") else v for k, v in asdict(cfg).items()}
+    shown = asdict(cfg) | {"api_key": api_key}  # the key in effect, which may come from the environment
+    shown = {k: "***" if v and k in ("api_key", "upstream_token") else v for k, v in shown.items()}
     print(f"{banner} on http://{cfg.host}:{cfg.port}\n  {shown}", flush=True)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))

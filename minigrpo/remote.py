@@ -3,10 +3,12 @@
   HttpEngine   any vLLM-compatible server: `vllm serve`, `python -m minigrpo.serve`, or proxy.py in front of
                several. A version is loaded under its directory's name (names are never reused) and requested as
                model = that name; a name already loaded counts only if /v1/models shows it at the same path, and
-               names that left the staleness window are unloaded. Retries and digests: README.md, "Failure model".
+               names that left the staleness window are unloaded. README.md has the retries ("Failure model")
+               and the digests ("Many replicas").
   VllmEngine   vLLM in-process (GPU only): a LoRARequest per version, processed (temperature-applied) log-probs.
 """
 import asyncio
+import contextlib
 import os
 import time
 
@@ -59,13 +61,14 @@ class HttpEngine:
 
     def wait_ready(self, timeout_s: float = 300.0):
         async def poll():
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                try:
+            start, said = time.monotonic(), False
+            while time.monotonic() - start < timeout_s:
+                with contextlib.suppress(ServerError):  # one call retries for about 25 s
                     if (await self._call("GET", P.HEALTH))[0] == 200:
                         return
-                except ServerError:  # after about 25 s of retries
+                if not said and time.monotonic() - start > 10:
                     print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
+                    said = True
                 await asyncio.sleep(0.5)
             raise ServerError(f"no healthy server at {self.url} after {timeout_s:.0f}s (is it running? right --url?)")
         self.loop.run_until_complete(poll())

@@ -105,9 +105,9 @@ class Ledger:
 
     def __init__(self, state: dict | None = None):
         state = state or {}
-        if not all(isinstance(state.get(k, []), list) for k in ("collect", "consumed")):  # ranges, before 2026-12
+        if any(isinstance(state.get(k), dict) and state[k] for k in ("collect", "consumed")):  # ranges, as before
             raise SystemExit("the checkpoint's ledger is in an older minigrpo's format: finish that run with it")
-        self.collect, self.consumed = set(state.get("collect", [])), set(state.get("consumed", []))
+        self.collect, self.consumed = set(state.get("collect") or []), set(state.get("consumed") or [])
         self.taken, self.skip = set(), self.collect | self.consumed
 
     def take(self, group_id: str):

@@ -52,7 +52,10 @@ def read_rows(path: str) -> list[dict]:
         owner, name, filename = path.removeprefix("hf://datasets/").split("/", 2)
         path = hf_hub_download(f"{owner}/{name}", filename, repo_type="dataset")
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq  # not in requirements.txt: pip install pyarrow
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise SystemExit(f"reading {path} needs pyarrow: pip install pyarrow (or convert it to JSONL)")
         return pq.read_table(path).to_pylist()
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -73,8 +76,10 @@ def last_boxed(text: str) -> str | None:
 
 def normalize(answer: str) -> str:
     s = re.sub(r"\\text\{([^}]*)\}", r"\1", answer)  # \text{12} -> 12
-    s = re.sub(r"\\[dt]frac", r"\\frac", s)
-    return re.sub(r"\\left|\\right|\\!|\\,|\^\{?\\circ\}?|\$|\s", "", s).rstrip(".")
+    for old, new in (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\left", ""), ("\\right", ""), ("\\!", ""),
+                     ("\\,", ""), ("^\\circ", ""), ("^{\\circ}", ""), ("$", ""), (" ", "")):  # in this order
+        s = s.replace(old, new)
+    return s.rstrip(".").strip()
 
 
 def as_number(s: str) -> float:  # nan when s is not a number

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 from conftest import call, free_port, start
 
 PROMPT = [2, 3, 11, 4, 5, 12]  # "12+34=" in the demo tokenizer (13 ids, max_model_len 64)
@@ -176,6 +177,12 @@ def test_a_body_slower_than_the_body_timeout_gets_408(server):
     s.close()
     assert head.startswith("HTTP/1.1 408") and json.loads(body)["error"]["message"] == \
         "the request body did not arrive within 1s"
+
+
+def test_a_body_its_content_encoding_cannot_decode_gets_400(server):
+    r = requests.post(f"{server}/v1/completions", data=b"not gzip at all",
+                      headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("the body cannot be read")
 
 
 def test_a_large_request_does_not_starve_a_small_one(server):

@@ -12,7 +12,7 @@ import torch.nn as nn
 from conftest import tiny_model
 
 from minigrpo.lora import (DEFAULT_TARGETS, LoRALinear, adapter_config, adapter_digest, inject_lora, load_adapter,
-                           lora_disabled, lora_layers, lora_state_dict, save_adapter)
+                           load_lora_state_dict, lora_disabled, lora_layers, lora_state_dict, save_adapter)
 
 IDS = torch.tensor([[3, 7, 1, 9, 4, 2, 8, 5]])
 
@@ -84,6 +84,14 @@ def test_adapter_of_another_shape_is_refused_with_the_reason(tmp_path):
         load_adapter(other, str(tmp_path))
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         load_adapter(other, str(tmp_path / "missing"))
+
+
+def test_a_checkpoints_adapter_must_cover_every_layer():
+    model = tiny_model()
+    inject_lora(model, r=4, alpha=8)
+    partial = {k: v for k, v in lora_state_dict(model).items() if "q_proj" not in k}
+    with pytest.raises(ValueError, match="missing .*q_proj"):
+        load_lora_state_dict(model, partial)
 
 
 def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path, arch):

@@ -346,3 +346,4 @@ def test_a_group_whose_name_has_no_sequence_number_is_read_like_any_other(tmp_pa
 def test_a_ledger_in_the_older_range_format_is_refused_not_misread():
     with pytest.raises(SystemExit, match="older minigrpo"):
         Ledger({"collect": {"g": [[0, 3]]}, "consumed": {}})
+    assert Ledger({"collect": None, "consumed": {}}).skip == set()  # nothing recorded, in either format

@@ -87,6 +87,11 @@ def test_min_tokens_holds_back_stop_ids_and_ignore_eos_runs_to_the_limit():
     assert all(c.token_ids == [EOS] and c.stop_reason == EOS for g in by_id for c in g)
 
 
+def test_stop_strings_without_a_decode_are_refused_by_name():
+    with pytest.raises(ValueError, match="stop strings need an engine built with decode="):
+        TorchEngine(tiny_model(), [], 0).generate(PROMPTS, SP(max_tokens=3, stop=("a",)))
+
+
 def test_a_stop_string_ends_the_row_and_cuts_the_text_before_it():
     letters = lambda ids: "".join(chr(ord("a") + t % 26) for t in ids)  # a decode: one letter per token
     engine = TorchEngine(tiny_model(), [], 0, decode=letters)
