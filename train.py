@@ -100,7 +100,7 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
         for g in taken:
             if not run.is_fresh(version, g.policy_version):
                 stats["dropped_stale_total"] += 1
-            elif cfg.loss_type == "dapo" and zero_std_groups(torch.tensor(g.rewards), run.group_size).item():
+            elif cfg.loss_type == "dapo" and len(set(g.rewards)) == 1:  # zero std: no signal
                 stats["dropped_zero_std_total"] += 1
             else:
                 groups.append(g)
