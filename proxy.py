@@ -141,17 +141,17 @@ class Proxy:
 
 def main():
     cfg, = HfArgumentParser(ProxyConfig).parse_args_into_dataclasses()
-    api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
+    cfg.api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
     if not cfg.upstream:
         raise SystemExit("give at least one replica: --upstream http://HOST:PORT (repeat for each)")
-    if not api_key and not cfg.no_auth:
+    if not cfg.api_key and not cfg.no_auth:
         raise SystemExit("set --api_key KEY (or MINIGRPO_API_KEY), or pass --no_auth to run without client auth")
     proxy = Proxy(cfg)
     routes = [web.post(P.COMPLETIONS, proxy.completions), web.post(P.CHAT, proxy.completions),
               web.post(P.LOAD, proxy.load_lora), *[web.post(p, proxy.everywhere) for p in P.EVERY_REPLICA],
               *[web.get(p, proxy.everywhere) for p in (P.HEALTH, P.PING)], web.get("/proxy/stats", proxy.stats),
               web.route("*", "/{tail:.*}", proxy.forward)]
-    P.run(cfg, api_key, routes, proxy.connect, f"proxy -> {len(cfg.upstream)} replicas")
+    P.run(cfg, routes, proxy.connect, f"proxy -> {len(cfg.upstream)} replicas")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ class ServerConfig:  # what the server and the proxy both take
     port: int = field(default=8000, metadata={"help": "port"})
     api_key: str = field(default="", metadata={"help": "require 'Authorization: Bearer KEY' on /v1 routes, as vLLM"})
     max_body_mb: int = field(default=8, metadata={"help": "largest request body"})
-    header_timeout_s: float = field(default=30.0, metadata={"help": "close a connection whose request head is this late"})
+    header_timeout_s: float = field(default=30.0, metadata={"help": "close a connection still without a request head"})
     body_timeout_s: float = field(default=30.0, metadata={"help": "answer 408 to a body that takes longer to arrive"})
 
 
@@ -133,14 +133,13 @@ def guard(api_key: str, body_timeout_s: float):
     return middleware
 
 
-def run(cfg, api_key: str, routes: list, context, banner: str):
+def run(cfg: ServerConfig, routes: list, context, banner: str):
     """Serve `routes` behind guard() inside `context` (an aiohttp cleanup context). aiohttp closes a connection that
     has not sent a whole request within its keep-alive timeout (idle ones too): that is the header timeout."""
-    app = web.Application(middlewares=[guard(api_key, cfg.body_timeout_s)], client_max_size=cfg.max_body_mb * 2**20)
+    app = web.Application(middlewares=[guard(cfg.api_key, cfg.body_timeout_s)], client_max_size=cfg.max_body_mb * 2**20)
     app.add_routes(routes)
     app.cleanup_ctx.append(context)
-    shown = asdict(cfg) | {"api_key": api_key}  # the key in effect, which may come from the environment
-    shown = {k: "***" if v and k in ("api_key", "upstream_token") else v for k, v in shown.items()}
+    shown = {k: "***" if v and k in ("api_key", "upstream_token") else v for k, v in asdict(cfg).items()}
     print(f"{banner} on http://{cfg.host}:{cfg.port}\n  {shown}", flush=True)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))

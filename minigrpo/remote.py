@@ -59,18 +59,16 @@ class HttpEngine:
         raise ServerError(f"{method} {self.url}{path} failed {self.retries} times; last: {last}")
 
     def wait_ready(self, timeout_s: float = 300.0):
-        async def poll():
-            start, said = time.monotonic(), False
-            while time.monotonic() - start < timeout_s:
-                with contextlib.suppress(ServerError):  # one call retries for about 25 s
-                    if (await self._call("GET", P.HEALTH))[0] == 200:
-                        return
-                if not said and time.monotonic() - start > 10:
-                    print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
-                    said = True
-                await asyncio.sleep(0.5)
-            raise ServerError(f"no healthy server at {self.url} after {timeout_s:.0f}s (is it running? right --url?)")
-        self.loop.run_until_complete(poll())
+        start, said = time.monotonic(), False
+        while time.monotonic() - start < timeout_s:
+            with contextlib.suppress(ServerError):  # one call retries for about 25 s
+                if self.loop.run_until_complete(self._call("GET", P.HEALTH))[0] == 200:
+                    return
+            if not said and time.monotonic() - start > 10:
+                print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
+                said = True
+            time.sleep(0.5)
+        raise ServerError(f"no healthy server at {self.url} after {timeout_s:.0f}s (is it running? right --url?)")
 
     async def _load(self, name: str, path: str):
         status, text, _ = await self._call("POST", P.LOAD, {"lora_name": name, "lora_path": path})

@@ -93,7 +93,6 @@ class Scheduler:
         return await job.future
 
     def take(self) -> list[tuple[Job, int]]:
-        """One round: a prompt from each waiting job in turn, within the row and adapter limits."""
         names, units, rows, more = set(), [], 0, True
         while more:
             more = False

@@ -307,7 +307,6 @@ class Server:
         return web.json_response({"status": "resumed"})
 
     async def server_info(self, request):
-        """vLLM's config in its layout, only the fields a client reads."""
         config = {"model_config": {"model": self.cfg.model, "max_model_len": self.max_model_len,
                                    "max_logprobs": MAX_LOGPROBS, "logprobs_mode": "processed_logprobs"},
                   "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
@@ -316,20 +315,19 @@ class Server:
         return web.json_response({"vllm_config": config if as_json else str(config), "system_env": {},
                                   "vllm_env": {"VLLM_SERVER_DEV_MODE": True, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}})
 
+    async def fixed(self, request):
+        """The routes whose answer needs no work; /health and /ping answer an empty 200."""
+        answers = {P.VERSION: {"version": VERSION}, P.IS_PAUSED: {"is_paused": self.scheduler.paused is not None},
+                   P.RESET_PREFIX_CACHE: {"success": True}, P.WORLD_SIZE: {"world_size": 1}}
+        return web.json_response(answers[request.path]) if request.path in answers else web.Response()
+
     def routes(self) -> list:
-        def fixed(make):  # a route whose answer needs no work
-            async def handler(request):
-                return make()
-            return handler
         return [
             web.post(P.COMPLETIONS, self.completions), web.post(P.CHAT, self.chat), web.get(P.MODELS, self.models),
             web.post(P.LOAD, self.load_lora), web.post(P.UNLOAD, self.unload_lora),
             web.post(P.PAUSE, self.pause), web.post(P.RESUME, self.resume), web.get(P.SERVER_INFO, self.server_info),
-            web.get(P.HEALTH, fixed(web.Response)), web.route("*", P.PING, fixed(web.Response)),
-            web.get(P.VERSION, fixed(lambda: web.json_response({"version": VERSION}))),
-            web.get(P.IS_PAUSED, fixed(lambda: web.json_response({"is_paused": self.scheduler.paused is not None}))),
-            web.post(P.RESET_PREFIX_CACHE, fixed(lambda: web.json_response({"success": True}))),
-            web.get(P.WORLD_SIZE, fixed(lambda: web.json_response({"world_size": 1})))]
+            web.route("*", P.PING, self.fixed), web.post(P.RESET_PREFIX_CACHE, self.fixed),
+            *[web.get(path, self.fixed) for path in (P.HEALTH, P.VERSION, P.IS_PAUSED, P.WORLD_SIZE)]]
 
 
 def main():
@@ -341,7 +339,7 @@ def main():
         task = asyncio.create_task(server.scheduler.run())
         yield
         task.cancel()
-    P.run(cfg, cfg.api_key, server.routes(), worker, f"minigrpo.serve: {server.name}")
+    P.run(cfg, server.routes(), worker, f"minigrpo.serve: {server.name}")
 
 
 if __name__ == "__main__":
