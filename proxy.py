@@ -4,15 +4,9 @@
     python proxy.py --upstream http://127.0.0.1:8001 --upstream http://127.0.0.1:8002 --port 8000 --api_key KEY
     python generate.py --engine http --url http://127.0.0.1:8000 --api_key KEY & python train.py
 
-Completions go to one replica, by KV-prefix affinity (minigrpo/router.py). Adapter loads go to every replica, all
-or nothing; unloads, /pause, /resume, /reset_prefix_cache and /health go to every replica and are answered as one
-server would answer; anything else goes to the least busy replica (README.md, "Many replicas", has each rule).
-Clients authenticate with --api_key on /v1 routes, as with vLLM's --api-key; replicas get --upstream_token (or
-HF_TOKEN) and never the client's key. Bad input gets the same 4xx JSON answers as from minigrpo/serve.py (the
-rules live once, in minigrpo/protocol.py), and the X-Adapter-* attribution headers pass through.
-
-Left out on purpose: streaming (answers are buffered whole, which RL rollouts do not mind) and retrying a request
-on another replica after it reached one (sampling is not idempotent for the caller's bookkeeping).
+Completions go to one replica by KV-prefix affinity (minigrpo/router.py), adapter loads to every replica, all or
+nothing (README.md, "Many replicas", has the rule for each route). Clients' keys are never passed on: replicas get
+--upstream_token (or HF_TOKEN). Answers are buffered whole: no streaming, which RL rollouts do not need.
 """
 import asyncio
 import collections
@@ -30,11 +24,9 @@ from minigrpo.router import PrefixRouter
 
 
 @dataclass
-class ProxyConfig:
+class ProxyConfig(P.ServerConfig):
     upstream: list[str] = field(default_factory=list, metadata={"help": "a replica's base URL; repeat for each replica",
                                                                 "action": "extend"})
-    host: str = field(default="127.0.0.1", metadata={"help": "bind address (loopback unless told otherwise)"})
-    port: int = field(default=8000, metadata={"help": "port"})
     api_key: str = field(default="", metadata={"help": "clients must send 'Authorization: Bearer KEY' (or env MINIGRPO_API_KEY)"})
     no_auth: bool = field(default=False, metadata={"help": "run without a client key (only on a trusted network)"})
     upstream_token: str = field(default="", metadata={"help": "bearer token sent to the replicas (default: env HF_TOKEN)"})
@@ -43,8 +35,6 @@ class ProxyConfig:
     retry_s: float = field(default=2.0, metadata={"help": "interval between those retries"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "a replica that takes longer gets a 504"})
     max_body_mb: int = field(default=16, metadata={"help": "largest request body accepted"})
-    header_timeout_s: float = field(default=30.0, metadata={"help": "close a connection whose request head is this late"})
-    body_timeout_s: float = field(default=30.0, metadata={"help": "answer 408 to a body that takes longer to arrive"})
 
 
 # a replica's reply; unreachable: it could not be connected to at all
@@ -66,8 +56,7 @@ class Proxy:
 
     async def send(self, i: int, request: web.Request, path: str | None = None, method: str | None = None,
                    body: bytes | None = None) -> Answer:
-        """The client's request to replica i, or (with `path`) one of the proxy's own; never with the client's
-        credentials or hop-by-hop headers."""
+        """The client's request to replica i (or, with `path`, one of the proxy's own), less P.HOP_HEADERS."""
         url, body = self.upstreams[i] + (path or request.path), body if path else await request.read()
         self.inflight[i] += 1
         try:
@@ -83,7 +72,6 @@ class Proxy:
             self.inflight[i] -= 1
 
     def failure(self, what: str, answers: list[Answer], bad: list[int], status: int | None = None) -> web.Response:
-        """The first failing replica's status (or `status`) and a text naming it."""
         first, text = answers[bad[0]], answers[bad[0]].body[:300].decode(errors="replace")
         return web.Response(status=status or first.status, text=f"proxy: {len(bad)}/{len(answers)} servers {what}; "
                             f"first: {self.upstreams[bad[0]]} -> {first.status} {text}")
@@ -121,8 +109,7 @@ class Proxy:
             loaded = [i for i, a in enumerate(answers) if a.status == 200]
             already = [i for i, a in enumerate(answers) if a.status == 400 and P.LOADED.encode() in a.body]
             bad = [i for i in range(len(answers)) if i not in loaded and i not in already]
-            ask = [self.send(i, request, P.MODELS, "GET") for i in already] if not bad else []
-            models = await asyncio.gather(*ask)
+            models = [] if bad else await asyncio.gather(*(self.send(i, request, P.MODELS, "GET") for i in already))
             other_weights = any(P.root_of(m.body, name) != path for m in models)  # the name, but not these weights
             if not bad and not other_weights:  # everywhere now; if every replica had it, say so as one server would
                 return reply(answers[loaded[0]] if loaded else answers[0])
@@ -134,7 +121,6 @@ class Proxy:
         return self.failure(f"failed to load {name}; rolled back on the others.", answers, bad, status)
 
     async def everywhere(self, request: web.Request):
-        """Sent to every replica; answered as one server would answer, or with the first failure."""
         answers = await asyncio.gather(*(self.send(i, request) for i in range(len(self.upstreams))))
         fine = (200, 404) if request.path == P.UNLOAD else (200,)
         bad = [i for i, a in enumerate(answers) if a.status not in fine]
@@ -143,7 +129,6 @@ class Proxy:
         return reply(next((a for a in answers if a.status == 200), answers[0]))
 
     async def connect(self, app: web.Application):
-        """The session to the replicas, open while the proxy serves (an aiohttp cleanup context)."""
         timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s, sock_connect=10)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
         yield
@@ -156,17 +141,17 @@ class Proxy:
 
 def main():
     cfg, = HfArgumentParser(ProxyConfig).parse_args_into_dataclasses()
-    api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
+    cfg.api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
     if not cfg.upstream:
         raise SystemExit("give at least one replica: --upstream http://HOST:PORT (repeat for each)")
-    if not api_key and not cfg.no_auth:
+    if not cfg.api_key and not cfg.no_auth:
         raise SystemExit("set --api_key KEY (or MINIGRPO_API_KEY), or pass --no_auth to run without client auth")
     proxy = Proxy(cfg)
     routes = [web.post(P.COMPLETIONS, proxy.completions), web.post(P.CHAT, proxy.completions),
               web.post(P.LOAD, proxy.load_lora), *[web.post(p, proxy.everywhere) for p in P.EVERY_REPLICA],
               *[web.get(p, proxy.everywhere) for p in (P.HEALTH, P.PING)], web.get("/proxy/stats", proxy.stats),
               web.route("*", "/{tail:.*}", proxy.forward)]
-    P.run(cfg, api_key, routes, proxy.connect, f"proxy -> {len(cfg.upstream)} replicas")
+    P.run(cfg, routes, proxy.connect, f"proxy -> {len(cfg.upstream)} replicas")
 
 
 if __name__ == "__main__":

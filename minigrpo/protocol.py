@@ -1,19 +1,16 @@
-"""The HTTP rules the server (minigrpo/serve.py), the proxy (proxy.py) and the http engine (minigrpo/remote.py)
-share: vLLM's routes, error body and auth rule, the texts clients match on, the headers a hop drops, and strict
-input handling (what a client sees: README.md, "Many replicas" and "Failure model"). It imports nothing else from
-the project.
+"""The HTTP rules minigrpo/serve.py, proxy.py and the http engine (minigrpo/remote.py) share: vLLM's routes, error
+body and auth rule, the texts clients match on, the headers a hop drops, strict input handling, and the server
+settings and setup (README.md, "Many replicas" and "Failure model"). It imports nothing else from the project.
 
-Copied from vLLM (v0.27-v0.33 sources): the error body {"error": {"message", "type", "param", "code"}}
-(`ErrorResponse` in vllm/entrypoints/serve/engine/protocol.py), the auth rule and its 401 {"error": "Unauthorized"}
-(vllm/entrypoints/serve/middleware/authenticate.py), "has already been loaded"
-(vllm/entrypoints/openai/models/serving.py) and "No adapter found" (vllm/exceptions.py). NaN and Infinity parse
-as floats, so that the field check can name the field they sit in; no response carries a bare NaN (not JSON).
+Copied from vLLM (v0.27-v0.33 sources): the error body (`ErrorResponse` in vllm/entrypoints/serve/engine/protocol.py),
+the auth rule and its 401 {"error": "Unauthorized"} (vllm/entrypoints/serve/middleware/authenticate.py), "has
+already been loaded" (vllm/entrypoints/openai/models/serving.py) and "No adapter found" (vllm/exceptions.py).
 """
 import asyncio
 import hmac
 import json
 import resource
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 from aiohttp import web
 
@@ -31,6 +28,16 @@ RETRY_STATUS = (500, 502, 503, 504)  # worth another try from a client
 # never passed through a proxy in either direction: hop-by-hop headers, credentials, and what aiohttp recomputes
 HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
                "transfer-encoding", "upgrade", "host", "authorization", "content-length", "content-encoding"}
+
+
+@dataclass
+class ServerConfig:  # what the server and the proxy both take
+    host: str = field(default="127.0.0.1", metadata={"help": "bind address (loopback unless told otherwise)"})
+    port: int = field(default=8000, metadata={"help": "port"})
+    api_key: str = field(default="", metadata={"help": "require 'Authorization: Bearer KEY' on /v1 routes, as vLLM"})
+    max_body_mb: int = field(default=8, metadata={"help": "largest request body"})
+    header_timeout_s: float = field(default=30.0, metadata={"help": "close a connection still without a request head"})
+    body_timeout_s: float = field(default=30.0, metadata={"help": "answer 408 to a body that takes longer to arrive"})
 
 
 class BadRequest(Exception):
@@ -126,15 +133,13 @@ def guard(api_key: str, body_timeout_s: float):
     return middleware
 
 
-def run(cfg, api_key: str, routes: list, context, banner: str):
-    """Serve `routes` behind guard() until interrupted, inside `context` (an aiohttp cleanup context). aiohttp closes
-    a connection that has not sent a whole request within its keep-alive timeout (idle ones too), which makes that
-    timeout the header timeout. The file limit goes up to the hard cap. Keys are never printed."""
-    app = web.Application(middlewares=[guard(api_key, cfg.body_timeout_s)], client_max_size=cfg.max_body_mb * 2**20)
+def run(cfg: ServerConfig, routes: list, context, banner: str):
+    """Serve `routes` behind guard() inside `context` (an aiohttp cleanup context). aiohttp closes a connection that
+    has not sent a whole request within its keep-alive timeout (idle ones too): that is the header timeout."""
+    app = web.Application(middlewares=[guard(cfg.api_key, cfg.body_timeout_s)], client_max_size=cfg.max_body_mb * 2**20)
     app.add_routes(routes)
     app.cleanup_ctx.append(context)
-    shown = asdict(cfg) | {"api_key": api_key}  # the key in effect, which may come from the environment
-    shown = {k: "***" if v and k in ("api_key", "upstream_token") else v for k, v in shown.items()}
+    shown = {k: "***" if v and k in ("api_key", "upstream_token") else v for k, v in asdict(cfg).items()}
     print(f"{banner} on http://{cfg.host}:{cfg.port}\n  {shown}", flush=True)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))

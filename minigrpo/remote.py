@@ -1,10 +1,9 @@
-"""Engines that sample somewhere else, with the same interface as TorchEngine (load_adapter, generate):
+"""Engines that sample somewhere else, with TorchEngine's interface (load_adapter, generate):
 
   HttpEngine   any vLLM-compatible server: `vllm serve`, `python -m minigrpo.serve`, or proxy.py in front of
-               several. A version is loaded under its directory's name (names are never reused) and requested as
-               model = that name; a name already loaded counts only if /v1/models shows it at the same path, and
-               names that left the staleness window are unloaded. README.md has the retries ("Failure model")
-               and the digests ("Many replicas").
+               several. A version is loaded under its directory's name (never reused) and requested as model =
+               that name; names that left the staleness window are unloaded. README.md has the retries
+               ("Failure model") and the digests ("Many replicas").
   VllmEngine   vLLM in-process (GPU only): a LoRARequest per version, processed (temperature-applied) log-probs.
 """
 import asyncio
@@ -36,7 +35,7 @@ class HttpEngine:
         self.url, self.keep, self.retries = url.rstrip("/"), keep, retries
         self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
         self.inflight = asyncio.Semaphore(max_inflight)
-        self.version, self.adapter, self.loaded = None, None, {}  # adapter: (name, path); loaded: version -> name
+        self.version, self.loaded = None, {}  # loaded: version -> (name, path)
 
         async def session():  # made inside the loop that uses it
             return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=10),
@@ -60,22 +59,20 @@ class HttpEngine:
         raise ServerError(f"{method} {self.url}{path} failed {self.retries} times; last: {last}")
 
     def wait_ready(self, timeout_s: float = 300.0):
-        async def poll():
-            start, said = time.monotonic(), False
-            while time.monotonic() - start < timeout_s:
-                with contextlib.suppress(ServerError):  # one call retries for about 25 s
-                    if (await self._call("GET", P.HEALTH))[0] == 200:
-                        return
-                if not said and time.monotonic() - start > 10:
-                    print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
-                    said = True
-                await asyncio.sleep(0.5)
-            raise ServerError(f"no healthy server at {self.url} after {timeout_s:.0f}s (is it running? right --url?)")
-        self.loop.run_until_complete(poll())
+        start, said = time.monotonic(), False
+        while time.monotonic() - start < timeout_s:
+            with contextlib.suppress(ServerError):  # one call retries for about 25 s
+                if self.loop.run_until_complete(self._call("GET", P.HEALTH))[0] == 200:
+                    return
+            if not said and time.monotonic() - start > 10:
+                print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
+                said = True
+            time.sleep(0.5)
+        raise ServerError(f"no healthy server at {self.url} after {timeout_s:.0f}s (is it running? right --url?)")
 
     async def _load(self, name: str, path: str):
         status, text, _ = await self._call("POST", P.LOAD, {"lora_name": name, "lora_path": path})
-        if status == 400 and P.LOADED in text:  # another generator was first, or the name holds other weights
+        if status == 400 and P.LOADED in text:  # another generator was first: fine if /v1/models shows this path
             there = P.root_of((await self._call("GET", P.MODELS))[1], name)
             if there != path:
                 raise ServerError(f"{self.url} already serves {name} from {there}, not from {path}")
@@ -84,24 +81,20 @@ class HttpEngine:
 
     def load_adapter(self, version: int, path: str):
         name, path = served(path)
-
-        async def load():
-            await self._load(name, path)
-            self.loaded[version] = name
-            for old in [v for v in self.loaded if v <= version - self.keep]:  # left the staleness window
-                await self._call("POST", P.UNLOAD, {"lora_name": self.loaded.pop(old)})  # 404: fine
-        self.loop.run_until_complete(load())
-        self.version, self.adapter = version, (name, path)
+        self.loop.run_until_complete(self._load(name, path))
+        self.loaded[version], self.version = (name, path), version
+        for old in [v for v in self.loaded if v <= version - self.keep]:  # left the staleness window; 404 is fine
+            self.loop.run_until_complete(self._call("POST", P.UNLOAD, {"lora_name": self.loaded.pop(old)[0]}))
 
     async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
-        body = {"model": self.adapter[0], "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens,
-                "temperature": sp.temperature, "top_p": sp.top_p, "top_k": 0, "logprobs": 0,
-                "stop_token_ids": list(sp.stop_token_ids), "return_token_ids": True,
-                "seed": sp.seed}  # None (null): the server samples from its own generator
+        name, path = self.loaded[self.version]
+        body = {"model": name, "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
+                "top_p": sp.top_p, "top_k": 0, "logprobs": 0, "stop_token_ids": list(sp.stop_token_ids),
+                "return_token_ids": True, "seed": sp.seed}  # seed None: the server samples from its own generator
         async with self.inflight:
             status, text, data = await self._call("POST", P.COMPLETIONS, body)
             if status == 404 and "does not exist" in text:  # a replica restarted and forgot the adapter
-                await self._load(*self.adapter)
+                await self._load(name, path)
                 status, text, data = await self._call("POST", P.COMPLETIONS, body)
         if status != 200 or data is None:
             raise ServerError(f"{self.url}/v1/completions answered {status}: {text[:300]}")

@@ -1,20 +1,17 @@
 """KV-prefix affinity routing: send a prompt to the replica that most likely holds its prefix in the KV cache.
 
-GRPO sends each prompt G times: the first request goes wherever there is room, and the other G - 1 should follow
-it there. The router mirrors the structure of vLLM's prefix cache without its exact hashes:
-  - the prompt is cut into 16-token blocks, hashed as a chain seeded with the requested model (adapter) name, so
-    one prefix under two adapters is two prefixes, as in vLLM. The last block may be partial (vLLM caches only
-    full ones): it keeps the G requests of a prompt shorter than one block on one replica;
-  - a replica owns a block once a request with it was sent there (bounded LRU table);
-  - the shared prefix every prompt starts with (the chat template) says nothing about where a prompt lives. It is
-    found from the data: a block every replica owns, or a block followed by two or more different blocks;
-  - affinity goes to the replica with the longest specific prefix while it is at most `imbalance` requests ahead
-    of the least loaded one; otherwise the request spills to the least loaded (round-robin on ties).
+GRPO sends each prompt G times; the first request goes wherever there is room and the other G - 1 should follow.
+As in vLLM's prefix cache (not its exact hashes), a prompt is cut into 16-token blocks hashed as a chain seeded
+with the model (adapter) name; the last block may be partial. A replica owns the blocks sent to it (a bounded LRU
+table). The template every prompt starts with is found from the data: blocks every replica owns, or that two
+different blocks follow. The longest prefix past it wins while its replica is at most `imbalance` requests ahead
+of the least loaded; otherwise the least loaded gets the request (round-robin on ties).
 """
 import array
 import collections
 import functools
 import hashlib
+import itertools
 import json
 
 
@@ -23,7 +20,7 @@ class PrefixRouter:
         self.n, self.block_size, self.imbalance, self.max_blocks = n, block_size, imbalance, max_blocks
         self.table = collections.OrderedDict()  # block hash -> (owners: set[int], successors: set[bytes]), LRU
         self.counters = {"affinity": 0, "spilled": 0, "unmatched": 0}
-        self.next_rr = 0
+        self.turns = itertools.count()  # round-robin among equally loaded replicas
 
     def choose(self, model: str, prompt, inflight: list[int]) -> tuple[int, str]:
         """(replica index, "affinity" | "spilled" | "unmatched"), and remember where the prompt went. Token ids are
@@ -34,19 +31,17 @@ class PrefixRouter:
             data, size = json.dumps(prompt).encode(), 4
         hashes = chain(model, data, size * self.block_size)
         matched, owners_so_far, common, fanout = [0] * self.n, set(range(self.n)), 0, 0
-        for depth, h in enumerate(hashes):
-            if h not in self.table:
-                break
-            owners, successors = self.table[h]
+        for depth, h in enumerate(hashes, 1):
+            owners, successors = self.table.get(h, (set(), set()))  # a block nobody owns ends the match below
             if len(successors) >= 2:
-                fanout = depth + 1  # prompts part ways after this block: what comes before is the template
-            if len(owners) == self.n or fanout == depth + 1:
-                common = depth + 1  # the shared template so far
+                fanout = depth  # prompts part ways after this block: what comes before is the template
+            if len(owners) == self.n or fanout == depth:
+                common = depth  # the shared template so far
             owners_so_far &= owners
             if not owners_so_far:
                 break
             for i in owners_so_far:
-                matched[i] = depth + 1
+                matched[i] = depth
         specific = [max(0, m - common) for m in matched]
         best = max(range(self.n), key=lambda i: (specific[i], -inflight[i]))
         least = min(inflight)
@@ -54,8 +49,7 @@ class PrefixRouter:
             pick, kind = best, "affinity"
         else:
             ties = [i for i in range(self.n) if inflight[i] == least]
-            pick, kind = ties[self.next_rr % len(ties)], "spilled" if specific[best] > 0 else "unmatched"
-            self.next_rr += 1
+            pick, kind = ties[next(self.turns) % len(ties)], "spilled" if specific[best] > 0 else "unmatched"
             if matched[pick] == len(hashes) and len(hashes) > fanout:  # the loop saw every block: fanout is final
                 kind = "affinity"  # every replica holds this whole prompt (it spilled before): a hit wherever it goes
         self._remember(hashes, pick)

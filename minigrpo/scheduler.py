@@ -1,9 +1,5 @@
 """The server's batching scheduler: requests that arrive together share a batch, fairly, one adapter at a time.
 
-    scheduler.add(name, Adapter(path, created), scheduler.read(path))   register a checked adapter
-    await scheduler.submit(model, prompts, params)   -> per prompt, a list of n Completions (or it raises)
-    scheduler.run()                  the worker task; pause(mode) and resume() as vLLM's /pause and /resume
-
 A request is cut into one unit per prompt (its n rows). Each round takes one unit from each waiting request in
 turn, and again, until the round holds --max_batch_rows rows or --max_loras distinct adapters, then runs one
 engine call per adapter; a failed call is run again one request at a time. Switching the LoRA layers is all or
@@ -43,10 +39,8 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, model, engine, base: str, max_lora_rank: int, max_loras: int, max_batch_rows: int,
-                 max_cpu_loras: int):
-        self.model, self.engine, self.base, self.max_lora_rank = model, engine, base, max_lora_rank
-        self.max_loras, self.max_batch_rows, self.max_cpu_loras = max_loras, max_batch_rows, max_cpu_loras
+    def __init__(self, model, engine, base: str, cfg):  # cfg: the server's ServeConfig, for its limits
+        self.model, self.engine, self.base, self.cfg = model, engine, base, cfg
         self.adapters: dict[str, Adapter] = {}
         self.cache = collections.OrderedDict()  # name -> Weights, least recently used first
         self.lock = threading.Lock()  # the cache is touched by the event loop (loads) and the sampling thread
@@ -60,8 +54,8 @@ class Scheduler:
         """Read and check an adapter whole (FileNotFoundError, or ValueError with vLLM's reason); writes nothing."""
         config, tensors, digest = read_adapter(path)
         r, scaling = check_config(config)
-        if r > self.max_lora_rank:
-            raise ValueError(f"LoRA rank {r} is greater than max_lora_rank {self.max_lora_rank}.")
+        if r > self.cfg.max_lora_rank:
+            raise ValueError(f"LoRA rank {r} is greater than max_lora_rank {self.cfg.max_lora_rank}.")
         check_adapter(self.model, tensors, r)
         return Weights(r, scaling, tensors, digest)
 
@@ -69,7 +63,7 @@ class Scheduler:
         with self.lock:
             w = fresh or self.cache.pop(name, None) or self.read(self.adapters[name].path)
             self.cache[name] = w  # now the most recently used
-            while len(self.cache) > self.max_cpu_loras:
+            while len(self.cache) > self.cfg.max_cpu_loras:
                 self.cache.popitem(last=False)
             return w
 
@@ -99,14 +93,13 @@ class Scheduler:
         return await job.future
 
     def take(self) -> list[tuple[Job, int]]:
-        """One round: a prompt from each waiting job in turn, within the row and adapter limits."""
         names, units, rows, more = set(), [], 0, True
         while more:
             more = False
             for job in self.jobs:
                 rows_after = rows + job.params.n
-                if job.waiting and (job.model in names or len(names) < self.max_loras) and (
-                        not units or rows_after <= self.max_batch_rows):
+                if job.waiting and (job.model in names or len(names) < self.cfg.max_loras) and (
+                        not units or rows_after <= self.cfg.max_batch_rows):
                     names.add(job.model)
                     units.append((job, job.waiting.popleft()))
                     rows, more = rows_after, True

@@ -4,10 +4,8 @@
     python -m minigrpo.serve --model Qwen/Qwen2.5-0.5B --device cuda --port 8001 --api_key KEY
 
 It answers like `vllm serve --enable-lora --logprobs-mode processed_logprobs` with VLLM_SERVER_DEV_MODE=1 and
-VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; README.md ("Many replicas") lists what a client gets. Batching is
-minigrpo/scheduler.py; the wire rules shared with the proxy are minigrpo/protocol.py. Every request is checked
-whole before it joins a batch, and a field vLLM would ignore, or one not implemented here (streaming, echo,
-prompt_logprobs, top_k, include_stop_str_in_output), is refused by name: nothing is silently ignored.
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (README.md, "Many replicas", lists what a client gets). A field vLLM would
+ignore, or one not implemented here, is refused by name: nothing is silently ignored.
 """
 import asyncio
 import math
@@ -37,25 +35,23 @@ SAMPLING = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p"
             "skip_special_tokens", "return_token_ids", "stream", "include_stop_str_in_output", "logprobs"}
 FIELDS = {P.COMPLETIONS: SAMPLING | {"prompt", "echo", "prompt_logprobs", "return_tokens_as_token_ids"},
           P.CHAT: SAMPLING | {"messages", "max_completion_tokens", "top_logprobs"}}
+# what SamplingParams takes as is: (default, low, high, whether low itself is refused)
+RANGES = {"temperature": (1.0, 0, MAX_FACTOR, False), "top_p": (1.0, 0, 1, True), "min_p": (0.0, 0, 1, False),
+          "repetition_penalty": (1.0, 0, MAX_FACTOR, True), "presence_penalty": (0.0, -2, 2, False),
+          "frequency_penalty": (0.0, -2, 2, False)}
 OFF = {"stream": (None, False), "echo": (None, False), "prompt_logprobs": (None,), "top_k": (None, 0, -1),
        "include_stop_str_in_output": (None, False)}  # the only values accepted for what is not implemented
 
 
 @dataclass
-class ServeConfig:
+class ServeConfig(P.ServerConfig):
     model: str = field(default="demo", metadata={"help": "base model: 'demo', a local folder or a hub id"})
-    host: str = field(default="127.0.0.1", metadata={"help": "bind address (loopback unless told otherwise)"})
-    port: int = field(default=8000, metadata={"help": "port"})
-    api_key: str = field(default="", metadata={"help": "require 'Authorization: Bearer KEY' on /v1 routes, as vLLM"})
     max_lora_rank: int = field(default=16, metadata={"help": f"largest adapter rank served, one of {MAX_LORA_RANKS}"})
     max_loras: int = field(default=6, metadata={"help": "distinct adapters per scheduling round"})
     max_cpu_loras: int = field(default=8, metadata={"help": "adapters kept in memory; others are re-read from their path"})
     lora_root: str = field(default="", metadata={"help": "if set, lora_path must lie inside this directory"})
     max_request_rows: int = field(default=256, metadata={"help": "most sequences (prompts x n) in one request"})
     max_batch_rows: int = field(default=512, metadata={"help": "most sequences sampled together"})
-    max_body_mb: int = field(default=8, metadata={"help": "largest request body"})
-    header_timeout_s: float = field(default=30.0, metadata={"help": "close a connection whose request head is this late"})
-    body_timeout_s: float = field(default=30.0, metadata={"help": "answer 408 to a body that takes longer to arrive"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch"})
@@ -71,7 +67,7 @@ def checked(body: dict, key: str, default, ok, rule: str):
     return v
 
 
-def number(body: dict, key: str, default, lo=-math.inf, hi=math.inf, integer=False, open_lo=False):
+def number(body: dict, key: str, default, lo=-math.inf, hi=math.inf, open_lo=False, integer=False):
     """A number in [lo, hi], or in (lo, hi] with open_lo; an integer one refuses floats and booleans."""
     kind = "an integer" if integer else "a finite number"
     ok = lambda v: (type(v) is int if integer else type(v) in (int, float) and math.isfinite(v)) and (
@@ -93,14 +89,12 @@ class Server:
         self.decode = lambda ids, skip=True: self.tokenizer.decode(ids, skip_special_tokens=skip)
         engine = TorchEngine(self.model, stop_token_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
                              cfg.seed, self.decode)
-        self.scheduler = Scheduler(self.model, engine, self.name, cfg.max_lora_rank, cfg.max_loras,
-                                   cfg.max_batch_rows, cfg.max_cpu_loras)
+        self.scheduler = Scheduler(self.model, engine, self.name, cfg)
         self.vocab, self.max_model_len = self.model.config.vocab_size, self.model.config.max_position_embeddings
         # a text longer than this cannot fit in max_model_len tokens: refused before it is tokenized
         self.max_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
 
     async def start(self, request: web.Request, route: str) -> tuple[dict, str, int]:
-        """What every sampling request is checked for first: (body, the model asked for, n)."""
         body = P.parse_json(await request.read())
         unknown = sorted(body.keys() - FIELDS[route])
         if unknown:
@@ -118,7 +112,6 @@ class Server:
         return body, model, number(body, "n", 1, 1, self.cfg.max_request_rows, integer=True)
 
     async def tokenize(self, texts: list[str], key: str, chat: bool = False) -> list[list[int]]:
-        """Off the event loop, and only texts that could fit the context."""
         for t in texts:
             if len(t) > self.max_chars:
                 raise P.BadRequest(f"This model's maximum context length is {self.max_model_len} tokens, and {len(t)} "
@@ -175,15 +168,10 @@ class Server:
         max_tokens = number(body, "max_completion_tokens", number(body, "max_tokens", 16, 1, integer=True), 1,
                             integer=True)
         return SamplingParams(
-            n=n, temperature=number(body, "temperature", 1.0, 0, MAX_FACTOR), seed=seed,
-            top_p=number(body, "top_p", 1.0, 0, 1, open_lo=True), stop_token_ids=tuple(stop_ids), logprobs=logprobs,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            max_tokens=min(max_tokens, self.max_model_len - max(map(len, prompts))),
-            ignore_eos=flag(body, "ignore_eos"), min_tokens=number(body, "min_tokens", 0, 0, max_tokens, True),
-            logit_bias=self.logit_bias(body), min_p=number(body, "min_p", 0.0, 0, 1),
-            repetition_penalty=number(body, "repetition_penalty", 1.0, 0, MAX_FACTOR, open_lo=True),
-            presence_penalty=number(body, "presence_penalty", 0.0, -2, 2),
-            frequency_penalty=number(body, "frequency_penalty", 0.0, -2, 2))
+            n=n, seed=seed, logprobs=logprobs, stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            stop_token_ids=tuple(stop_ids), max_tokens=min(max_tokens, self.max_model_len - max(map(len, prompts))),
+            ignore_eos=flag(body, "ignore_eos"), min_tokens=number(body, "min_tokens", 0, 0, max_tokens, integer=True),
+            logit_bias=self.logit_bias(body), **{key: number(body, key, *r) for key, r in RANGES.items()})
 
     def logit_bias(self, body: dict) -> dict:
         """{token id: bias}, clamped to [-100, 100] as vLLM does; keys are JSON strings of ids, as OpenAI sends."""
@@ -319,7 +307,6 @@ class Server:
         return web.json_response({"status": "resumed"})
 
     async def server_info(self, request):
-        """vLLM's config in its layout, only the fields a client reads to size its requests."""
         config = {"model_config": {"model": self.cfg.model, "max_model_len": self.max_model_len,
                                    "max_logprobs": MAX_LOGPROBS, "logprobs_mode": "processed_logprobs"},
                   "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
@@ -328,20 +315,19 @@ class Server:
         return web.json_response({"vllm_config": config if as_json else str(config), "system_env": {},
                                   "vllm_env": {"VLLM_SERVER_DEV_MODE": True, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}})
 
+    async def fixed(self, request):
+        """The routes whose answer needs no work; /health and /ping answer an empty 200."""
+        answers = {P.VERSION: {"version": VERSION}, P.IS_PAUSED: {"is_paused": self.scheduler.paused is not None},
+                   P.RESET_PREFIX_CACHE: {"success": True}, P.WORLD_SIZE: {"world_size": 1}}
+        return web.json_response(answers[request.path]) if request.path in answers else web.Response()
+
     def routes(self) -> list:
-        def fixed(make):  # a route whose answer needs no work
-            async def handler(request):
-                return make()
-            return handler
         return [
             web.post(P.COMPLETIONS, self.completions), web.post(P.CHAT, self.chat), web.get(P.MODELS, self.models),
             web.post(P.LOAD, self.load_lora), web.post(P.UNLOAD, self.unload_lora),
             web.post(P.PAUSE, self.pause), web.post(P.RESUME, self.resume), web.get(P.SERVER_INFO, self.server_info),
-            web.get(P.HEALTH, fixed(web.Response)), web.route("*", P.PING, fixed(web.Response)),
-            web.get(P.VERSION, fixed(lambda: web.json_response({"version": VERSION}))),
-            web.get(P.IS_PAUSED, fixed(lambda: web.json_response({"is_paused": self.scheduler.paused is not None}))),
-            web.post(P.RESET_PREFIX_CACHE, fixed(lambda: web.json_response({"success": True}))),
-            web.get(P.WORLD_SIZE, fixed(lambda: web.json_response({"world_size": 1})))]
+            web.route("*", P.PING, self.fixed), web.post(P.RESET_PREFIX_CACHE, self.fixed),
+            *[web.get(path, self.fixed) for path in (P.HEALTH, P.VERSION, P.IS_PAUSED, P.WORLD_SIZE)]]
 
 
 def main():
@@ -353,7 +339,7 @@ def main():
         task = asyncio.create_task(server.scheduler.run())
         yield
         task.cancel()
-    P.run(cfg, cfg.api_key, server.routes(), worker, f"minigrpo.serve: {server.name}")
+    P.run(cfg, server.routes(), worker, f"minigrpo.serve: {server.name}")
 
 
 if __name__ == "__main__":
