@@ -192,7 +192,7 @@ class Server:
         as_ids = body.get("return_tokens_as_token_ids")
         name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: self.decode([t], False))
         choices = [self.choice(c, body, model) | {
-            "logprobs": self.completion_logprobs(c, name) if body.get("logprobs") is not None else None,
+            "logprobs": self.completion_logprobs(c, name, logprobs) if body.get("logprobs") is not None else None,
             "prompt_logprobs": None, "routed_experts": None,
             "prompt_token_ids": prompt if body.get("return_token_ids") else None}
             for prompt, group in zip(prompts, out) for c in group]
@@ -221,9 +221,10 @@ class Server:
                        "token_ids": c.token_ids if body.get("return_token_ids") else None,
                        "adapter": model, "adapter_digest": c.adapter_digest}
 
-    def completion_logprobs(self, c, name) -> dict:
+    def completion_logprobs(self, c, name, k: int) -> dict:
+        """The sampled token and its k best alternatives (a batch-mate may have asked the engine for more)."""
         tokens, clamp = [name(t) for t in c.token_ids], lambda lp: max(lp, -9999.0)  # -inf is sent as -9999.0
-        tops = [{name(t): clamp(lp)} | {name(a): clamp(b) for a, b in (top or {}).items()}
+        tops = [{name(t): clamp(lp)} | {name(a): clamp(b) for a, b in list((top or {}).items())[:k]}
                 for t, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs or [None] * len(c.token_ids))]
         return {"text_offset": [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))],
                 "token_logprobs": [clamp(lp) for lp in c.logprobs], "tokens": tokens, "top_logprobs": tops}

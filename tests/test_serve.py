@@ -6,6 +6,7 @@ implements, and a 4xx with a JSON body naming the field for every bad input, wit
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -51,6 +52,16 @@ def test_completion_has_vllms_shape(server):
     assert usage["prompt_tokens"] == len(PROMPT)  # once per prompt, as vLLM counts, whatever n is
     assert usage["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_each_request_gets_the_alternatives_it_asked_for_whatever_it_was_batched_with(server):
+    def ask(k):  # sent together, so that requests asking for different numbers share a batch
+        return k, post(server, "/v1/completions", {"prompt": PROMPT, "n": 4, "max_tokens": 5, "logprobs": k})[2]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, [0, 5, 1, 3] * 2))
+    for k, out in answers:
+        for c in out["choices"]:
+            assert all(k <= len(top) <= k + 1 for top in c["logprobs"]["top_logprobs"])  # the sampled one + k
 
 
 def test_batched_prompts_are_prompt_major_and_stop_token_ids_set_stop_reason(server):
