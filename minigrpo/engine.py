@@ -163,7 +163,7 @@ class TorchEngine:
             tokens.append(tok)
             logps.append(logp_all.gather(1, tok[:, None]).squeeze(1))
             tops.append(logp_all.topk(k, -1))
-            alive.append(~done)
+            alive.append(~done)  # a row keeps its tokens up to its first stop, or up to its limit
             process.observe(tok, ~done)
             hit = (tok[:, None] == stops).any(1)
             hit |= texts.check(tokens, hit | done, t)
@@ -175,9 +175,8 @@ class TorchEngine:
             logits = self._forward(tok[:, None], mask, pos, cache)
 
         tokens, logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (B, T)
-        lengths = torch.stack(alive, 1).sum(1).tolist()  # tokens up to the first stop or the row's limit
         out = []
-        for r, ((_, sp, _), n) in enumerate(zip(rows, lengths)):
+        for r, ((_, sp, _), n) in enumerate(zip(rows, torch.stack(alive, 1).sum(1).tolist())):
             top = [dict(zip(tops[t].indices[r].tolist(), tops[t].values[r].tolist())) for t in range(n)] if k else None
             last = tokens[r][n - 1]  # a row that stopped ended on a stop id, or on a stop string
             finish = "stop" if last in stop_ids[r] or r in texts.reason else "length"
@@ -199,9 +198,7 @@ class StopStrings:
 
     def check(self, tokens, ended: torch.Tensor, t: int) -> torch.Tensor:  # (B,) rows now holding a stop string
         hit = torch.zeros_like(ended)
-        if not self.rows:
-            return hit
-        ended, ids = ended.tolist(), torch.stack(tokens, 1).tolist()  # (B, t+1)
+        ended, ids = ended.tolist(), (torch.stack(tokens, 1).tolist() if self.rows else None)  # (B, t+1)
         for r, sp in self.rows.items():
             if ended[r]:
                 continue

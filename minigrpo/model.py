@@ -76,8 +76,7 @@ def enable_checkpointing(model):
 def stop_token_ids(model, tokenizer) -> list[int]:
     """EOS ids from both the tokenizer and generation_config (instruct models often list several)."""
     eos = getattr(model.generation_config, "eos_token_id", None)
-    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
-    return sorted(ids - {None})
+    return sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
 
 
 CHUNK_LOGITS = 2**23  # logits computed at once by the output head: 32 MiB in float32
