@@ -162,7 +162,8 @@ class TorchEngine:
             tok = (logp_all + self._noise(gens, *logp_all.shape) * noisy).argmax(-1)  # (B,) the Gumbel-max trick
             tokens.append(tok)
             logps.append(logp_all.gather(1, tok[:, None]).squeeze(1))
-            tops.append(logp_all.topk(k, -1))
+            if k:
+                tops.append(logp_all.topk(k, -1))
             alive.append(~done)  # a row keeps its tokens up to its first stop, or up to its limit
             process.observe(tok, ~done)
             hit = (tok[:, None] == stops).any(1)
