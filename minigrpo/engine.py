@@ -1,5 +1,5 @@
 """The built-in generation engine (CPU or GPU): batched sampling over the LoRA-wrapped model with a KV cache. For
-every sampled token it returns the behaviour log-probability, the distribution the token was actually drawn from:
+every sampled token it returns the behaviour log-probability, under the distribution it was actually drawn from:
 log softmax(logits / temperature) in float32, after vLLM's sampling parameters in vLLM's order
 (vllm/v1/sample/sampler.py), as `vllm serve --logprobs-mode processed_logprobs` reports it. The trainer reproduces
 exactly that number, so at version 0 the ratio is 1. Every engine (remote.py has the others) offers:
