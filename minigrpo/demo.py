@@ -2,13 +2,11 @@
 plain supervised learning on reverse_add until it is right only part of the time, so GRPO has room to improve it.
 
     python -m minigrpo.demo                      # rewrites minigrpo/demo_model/ (about 20-60 s on a laptop CPU)
-
-The tokenizer is a real Qwen2Tokenizer with no BPE merges (one token per character): for a `qwen2` model folder,
-AutoTokenizer rebuilds that class whatever tokenizer.json says, so any other tokenizer would silently get other ids.
 """
 import random
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 from minigrpo.engine import SamplingParams, TorchEngine
@@ -21,19 +19,11 @@ BAND = (0.30, 0.50)  # pass@1 at temperature 1: learning is a sharp phase transi
 
 
 def build_tokenizer() -> Qwen2Tokenizer:
-    """<|endoftext|> (id 0) is EOS and padding, as in Qwen base models; no BOS. The chat template only joins the
-    messages' contents, so a templated prompt is the plain prompt: [{"role": "user", "content": "12+34="}] -> "12+34="."""
+    """One token per character, no merges (README, "Remaking the demo model", says why). <|endoftext|> (id 0) is EOS
+    and padding; no BOS. The chat template only joins the messages' contents: a templated prompt is the plain prompt."""
     tokenizer = Qwen2Tokenizer(vocab={"<|endoftext|>": 0} | {c: i + 1 for i, c in enumerate(CHARS)}, merges=[])
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     return tokenizer
-
-
-def build_model(tokenizer, seed: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=96, intermediate_size=384, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return Qwen2ForCausalLM(config)
 
 
 def accuracy(model, tokenizer, task, problems, seed=0) -> float:
@@ -49,16 +39,19 @@ def supervised_batch(tokenizer, task, rng, size):
     """Prompt + answer + EOS, right-padded, with the loss on the answer and EOS only (one token per character)."""
     rows = [task.sample(rng) for _ in range(size)]
     seqs = [tokenizer(p.prompt + p.answer)["input_ids"] + [tokenizer.eos_token_id] for p in rows]
-    L = max(map(len, seqs))
-    pad = lambda seq, fill: seq + [fill] * (L - len(seq))  # noqa: E731
-    ids = torch.tensor([pad(s, tokenizer.pad_token_id) for s in seqs])
-    return ids, torch.tensor([pad([-100] * len(p.prompt) + s[len(p.prompt):], -100) for p, s in zip(rows, seqs)])
+    labels = [[-100] * len(p.prompt) + s[len(p.prompt):] for p, s in zip(rows, seqs)]
+    pad = lambda lists, fill: pad_sequence([torch.tensor(x) for x in lists], True, fill)  # noqa: E731
+    return pad(seqs, tokenizer.pad_token_id), pad(labels, -100)
 
 
 def main():
     torch.set_num_threads(1)  # one thread: the same numerics, so the same model, on any machine of this kind
     tokenizer, task, rng = build_tokenizer(), ReverseAddition(), random.Random(SEED)
-    model = build_model(tokenizer, SEED)
+    torch.manual_seed(SEED)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=96, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
     print(f"demo model: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {len(tokenizer)}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     probe, held_out = task.eval_problems(512)[:128], task.eval_problems(512)[128:]

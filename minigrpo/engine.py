@@ -1,18 +1,17 @@
-"""Generation engines. Each one samples n completions per prompt with the current adapter and returns, for every
-sampled token, its behaviour log-probability: log softmax(logits / temperature), in float32, the distribution the
-token was actually drawn from. The trainer reproduces exactly that number, so at version 0 the ratio is 1.
+"""The built-in generation engine (CPU or GPU): batched sampling over the LoRA-wrapped model with a KV cache. For
+every sampled token it returns the behaviour log-probability, under the distribution it was actually drawn from:
+log softmax(logits / temperature) in float32, after vLLM's sampling parameters in vLLM's order
+(vllm/v1/sample/sampler.py), as `vllm serve --logprobs-mode processed_logprobs` reports it. The trainer reproduces
+exactly that number, so at version 0 the ratio is 1. Every engine (remote.py has the others) offers:
 
     engine.load_adapter(version, path)        switch to a published adapter, between batches
     engine.generate(prompts, params)          -> list (per prompt) of lists (per sample) of Completion
-
-TorchEngine is built in (CPU or GPU): batched sampling over the LoRA-wrapped model with a KV cache. It applies
-vLLM's sampling parameters in vLLM's order (vllm/v1/sample/sampler.py, LogitProcessors below) and takes the
-log-prob of a token after all of them, as `vllm serve --logprobs-mode processed_logprobs` reports it.
 """
 import inspect
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 
 from minigrpo.lora import load_adapter
@@ -58,8 +57,8 @@ def renormalised(logp: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
 
 
 class LogitProcessors:
-    """From a batch's raw logits to the log-probs its tokens are sampled from, in vLLM's order, each step built only
-    when some row uses it, so plain temperature sampling pays for none:
+    """A batch's raw logits (B, V) -> the log-probs its tokens are sampled from, in vLLM's order, each step built only
+    when some row uses it:
         logits += logit_bias
         logits[stop ids] = -inf                          while fewer than min_tokens tokens are out
         logits /= rep  where seen and logits > 0, logits *= rep where seen and logits <= 0   (prompt and output)
@@ -67,9 +66,9 @@ class LogitProcessors:
         logp = log_softmax(logits / temperature), then min_p and top_p (SamplingParams), each renormalised
     as vllm/model_executor/layers/utils.py (apply_penalties) and vllm/v1/sample/logits_processor/builtin.py do."""
 
-    def __init__(self, rows, stops: torch.Tensor, V: int, device):
+    def __init__(self, rows, ids, mask, stops, V: int, device):  # ids, mask (B, L) the prompts, stops (B, S)
         B, column = len(rows), lambda field: per_row(rows, field, device)[:, None]  # (B, 1)
-        self.bias = self.min_tokens = self.penalties = self.min_p = self.top_p = None
+        self.bias = self.min_tokens = self.penalties = None
         if any(sp.logit_bias for _, sp, _ in rows):
             self.bias = torch.zeros(B, V, device=device)
             for r, (_, sp, _) in enumerate(rows):
@@ -80,15 +79,11 @@ class LogitProcessors:
             self.ban = torch.zeros(B, V, device=device).scatter_add(1, stops.clamp(min=0), (stops >= 0).float()) > 0
         if any((sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty) != (1, 0, 0) for _, sp, _ in rows):
             self.penalties = [column(k) for k in ("repetition_penalty", "frequency_penalty", "presence_penalty")]
-            self.in_prompt = torch.zeros(B, V, dtype=torch.bool, device=device)
-            for r, (p, _, _) in enumerate(rows):
-                self.in_prompt[r, p] = True
+            self.in_prompt = torch.zeros(B, V, device=device).scatter_add(1, ids, mask.float()) > 0
             self.counts = torch.zeros(B, V, device=device)  # (B, V) occurrences in the output so far
         self.temperature = column("temperature").clamp(min=1e-6)  # 0 (greedy) as 1e-6
-        if any(sp.min_p > 0 for _, sp, _ in rows):
-            self.min_p = column("min_p")
-        if any(sp.top_p < 1 for _, sp, _ in rows):
-            self.top_p = column("top_p")
+        self.min_p = column("min_p") if any(sp.min_p > 0 for _, sp, _ in rows) else None
+        self.top_p = column("top_p") if any(sp.top_p < 1 for _, sp, _ in rows) else None
 
     def __call__(self, logits: torch.Tensor, t: int) -> torch.Tensor:  # (B, V) -> (B, V)
         if self.bias is not None:
@@ -118,8 +113,7 @@ class LogitProcessors:
 
 class TorchEngine:
     def __init__(self, model, stop_ids: list[int], pad_id: int, seed: int = 0, decode=None):
-        self.model, self.stop_ids, self.pad_id = model, list(stop_ids), pad_id
-        self.decode = decode  # token ids -> text, needed only for stop strings
+        self.model, self.stop_ids, self.pad_id, self.decode = model, list(stop_ids), pad_id, decode
         self.device = next(model.parameters()).device
         self.rng = torch.Generator(self.device).manual_seed(seed)  # for rows without a seed of their own
         self.version, self.digest = None, ""  # adapter version now loaded, and its digest
@@ -127,17 +121,14 @@ class TorchEngine:
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def load_adapter(self, version: int, path: str):
-        self.digest = load_adapter(self.model, path)
-        self.version = version
+        self.digest, self.version = load_adapter(self.model, path), version
 
     def _forward(self, ids, mask, pos, cache):
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                         logits_to_keep=1, **{self.cache_kw: cache})
-        return out.logits[:, -1].float()  # (B, V)
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                          **{self.cache_kw: cache}).logits[:, -1].float()  # (B, V)
 
     def _noise(self, gens, B, V):
-        """Gumbel noise (B, V): argmax(logp + noise) is a sample from softmax(logp). Seeded rows get their own
-        stream, so a request's sample does not depend on what it was batched with."""
+        """Gumbel noise (B, V): argmax(logp + noise) samples softmax(logp). Seeded rows draw from their own stream."""
         u = torch.rand(B, V, generator=self.rng, device=self.device)
         for i, g in gens.items():
             u[i] = torch.rand(V, generator=g, device=self.device)
@@ -152,44 +143,41 @@ class TorchEngine:
         ids = torch.tensor([[self.pad_id] * (L - len(p)) + list(p) for p, _, _ in rows], device=self.device)  # (B, L)
         mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p, _, _ in rows], device=self.device)  # (B, L)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L) positions ignore the padding
-        greedy = per_row(rows, "temperature", self.device) == 0
+        noisy = per_row(rows, "temperature", self.device)[:, None] > 0  # (B, 1) temperature 0: greedy, no noise
         limit = per_row(rows, "max_tokens", self.device, torch.long)
         stop_ids = [list(sp.stop_token_ids) + ([] if sp.ignore_eos else self.stop_ids) for _, sp, _ in rows]
-        stops = torch.tensor([s + [-1] * (max(map(len, stop_ids)) - len(s)) for s in stop_ids], dtype=torch.long,
-                             device=self.device)  # (B, S)
+        stops = pad_sequence([torch.tensor(s, dtype=torch.long) for s in stop_ids], True, -1).to(self.device)  # (B, S)
         gens = {r: torch.Generator(self.device).manual_seed(sp.seed + i) for r, (_, sp, i) in enumerate(rows)
                 if sp.seed is not None}
         k = max(sp.logprobs for _, sp, _ in rows)
         cache = DynamicCache()
 
         logits = self._forward(ids, mask, pos, cache)  # (B, V)
-        process = LogitProcessors(rows, stops, logits.shape[1], self.device)
+        process = LogitProcessors(rows, ids, mask, stops, logits.shape[1], self.device)
         texts = StopStrings(rows, self.decode)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         tokens, logps, alive, tops = [], [], [], []
         for t in range(int(limit.max())):
             logp_all = process(logits, t)  # (B, V) what is sampled from
-            sampled = (logp_all + self._noise(gens, *logp_all.shape)).argmax(-1)  # (B,)
-            tok = torch.where(greedy, logp_all.argmax(-1), sampled)
+            tok = (logp_all + self._noise(gens, *logp_all.shape) * noisy).argmax(-1)  # (B,) the Gumbel-max trick
             tokens.append(tok)
             logps.append(logp_all.gather(1, tok[:, None]).squeeze(1))
             if k:
                 tops.append(logp_all.topk(k, -1))
-            alive.append(~done)
+            alive.append(~done)  # a row keeps its tokens up to its first stop, or up to its limit
             process.observe(tok, ~done)
             hit = (tok[:, None] == stops).any(1)
             hit |= texts.check(tokens, hit | done, t)
             done |= hit | (t + 1 >= limit)
             if bool(done.all()):
                 break
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], 1)
+            mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
             pos = pos[:, -1:] + 1
             logits = self._forward(tok[:, None], mask, pos, cache)
 
         tokens, logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (B, T)
-        lengths = torch.stack(alive, 1).sum(1).tolist()  # tokens up to the first stop or the row's limit
         out = []
-        for r, ((_, sp, _), n) in enumerate(zip(rows, lengths)):
+        for r, ((_, sp, _), n) in enumerate(zip(rows, torch.stack(alive, 1).sum(1).tolist())):
             top = [dict(zip(tops[t].indices[r].tolist(), tops[t].values[r].tolist())) for t in range(n)] if k else None
             last = tokens[r][n - 1]  # a row that stopped ended on a stop id, or on a stop string
             finish = "stop" if last in stop_ids[r] or r in texts.reason else "length"
@@ -200,9 +188,8 @@ class TorchEngine:
 
 
 class StopStrings:
-    """Stop strings, as vLLM's detokenizer checks them (vllm/v1/engine/detokenizer.py, check_stop_strings): once more
-    than min_tokens tokens are out, the newly decoded characters are searched for each string; a hit ends the row
-    (its tokens are kept) and cuts its text before the string. A decode per step, only for rows with stop strings."""
+    """As vLLM's detokenizer (vllm/v1/engine/detokenizer.py, check_stop_strings): past min_tokens, the new characters
+    are searched for each string; a hit ends the row (tokens kept) and cuts its text before the string."""
 
     def __init__(self, rows, decode):
         self.rows = {r: sp for r, (_, sp, _) in enumerate(rows) if sp.stop}
@@ -210,12 +197,9 @@ class StopStrings:
             raise ValueError("stop strings need an engine built with decode= (token ids -> text)")
         self.decode, self.seen, self.reason, self.text = decode, {r: "" for r in self.rows}, {}, {}
 
-    def check(self, tokens: list[torch.Tensor], ended: torch.Tensor, t: int) -> torch.Tensor:
-        """(B,) bool: rows whose text now holds a stop string. ended (B,): rows already finished or at a stop id."""
+    def check(self, tokens, ended: torch.Tensor, t: int) -> torch.Tensor:  # (B,) rows now holding a stop string
         hit = torch.zeros_like(ended)
-        if not self.rows:
-            return hit
-        ended, ids = ended.tolist(), torch.stack(tokens, 1).tolist()  # (B, t+1)
+        ended, ids = ended.tolist(), (torch.stack(tokens, 1).tolist() if self.rows else None)  # (B, t+1)
         for r, sp in self.rows.items():
             if ended[r]:
                 continue

@@ -3,9 +3,8 @@
     scaling = alpha / r            plain LoRA (Hu et al., 2021)
     scaling = alpha / sqrt(r)      rsLoRA (Kalajdzievski, 2023), when adapter_config.json says use_rslora: true
 
-Only the LoRA matrices train; the base weights stay frozen. Adapters are saved and loaded in PEFT's directory
-format (adapter_config.json + adapter_model.safetensors, keys `base_model.model.<module>.lora_A.weight`), so
-peft and vLLM load ours and we load theirs.
+Adapters are saved and loaded in PEFT's format (adapter_config.json + adapter_model.safetensors, keys
+`base_model.model.<module>.lora_A.weight`), so peft and vLLM load ours and we load theirs.
 """
 import contextlib
 import hashlib
@@ -48,10 +47,9 @@ def inject_lora(model: nn.Module, r: int, alpha: float, targets=DEFAULT_TARGETS,
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets]
     if not names:
         raise ValueError(f"no nn.Linear named any of {list(targets)} in {type(model).__name__}")
+    model.requires_grad_(False)  # the LoRA matrices made below are the only trainable parameters
     for name in names:
         model.set_submodule(name, LoRALinear(model.get_submodule(name), r, alpha, use_rslora))
-    for n, p in model.named_parameters():
-        p.requires_grad = ".lora_" in n
     return names
 
 
@@ -73,7 +71,6 @@ def lora_disabled(model: nn.Module):
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter alone, under PEFT's tensor names."""
     return {f"{PEFT_PREFIX}{name}.lora_{ab}.weight": getattr(layer, f"lora_{ab}").detach()
             for name, layer in lora_layers(model).items() for ab in "AB"}
 
@@ -91,26 +88,22 @@ def check_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int):
     """Raise ValueError unless every tensor belongs to a LoRA layer of the model, has the shape of rank r <= the
     layer's, and is finite. Nothing is written: a refused adapter leaves the served weights as they were."""
     layers = lora_layers(model)
-    unknown = sorted(state.keys() - lora_state_dict(model).keys())
-    if unknown:
+    if unknown := sorted(state.keys() - lora_state_dict(model).keys()):
         targets = sorted({n.rsplit(".", 1)[-1] for n in layers})
         raise ValueError(f"expected target modules in {targets} but received {unknown[:3]}. "
                          "Please verify that the loaded LoRA module is correct")
     for name, layer in layers.items():
         A, B = (state.get(f"{PEFT_PREFIX}{name}.lora_{ab}.weight") for ab in "AB")
-        if (A is None) != (B is None) or A is not None and (
-                r > layer.r or A.shape != (r, layer.base.in_features) or B.shape != (layer.base.out_features, r)):
-            raise ValueError(f"{name}: lora_A {None if A is None else tuple(A.shape)} and lora_B "
-                             f"{None if B is None else tuple(B.shape)} do not fit rank {r} of a "
+        got = [None if w is None else tuple(w.shape) for w in (A, B)]  # lora_A, lora_B shapes
+        if got != [None, None] and (r > layer.r or got != [(r, layer.base.in_features), (layer.base.out_features, r)]):
+            raise ValueError(f"{name}: lora_A {got[0]} and lora_B {got[1]} do not fit rank {r} of a "
                              f"{layer.base.in_features}->{layer.base.out_features} layer")
-    bad = [k for k, v in state.items() if not bool(torch.isfinite(v).all())]
-    if bad:
+    if bad := [k for k, v in state.items() if not bool(torch.isfinite(v).all())]:
         raise ValueError(f"{bad[0]} holds NaN or infinite values")
 
 
 def apply_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int, scaling: float):
-    """Write an adapter of rank r <= the layers' rank that check_adapter passed: zero-padded into A and B and
-    scaled by its own scaling. Layers the adapter does not cover are switched off."""
+    """Write an adapter that check_adapter passed, zero-padded to the layers' rank; layers it does not cover go off."""
     with torch.no_grad():
         for name, layer in lora_layers(model).items():
             A, B = (state.get(f"{PEFT_PREFIX}{name}.lora_{ab}.weight") for ab in "AB")
@@ -141,8 +134,7 @@ def save_adapter(path: str, state: dict[str, torch.Tensor], config: dict):  # a 
 
 
 def adapter_digest(weights: bytes) -> str:
-    """Names the exact weights that sampled a completion (policy attribution): the first 16 hex digits of the
-    SHA-256 of the adapter_model.safetensors bytes. The base model is ""."""
+    """Policy attribution: names the exact weights (adapter_model.safetensors) that sampled a completion."""
     return hashlib.sha256(weights).hexdigest()[:16]
 
 

@@ -1,7 +1,6 @@
-"""Loading a causal LM and its tokenizer, and the token log-probabilities the loss is computed from.
-
-`--model demo` (the default) is the tiny built-in model shipped in minigrpo/demo_model (made by minigrpo/demo.py);
-any other name is a local folder or a Hugging Face repo id, loaded by the same code.
+"""Loading a causal LM and its tokenizer, and the token log-probabilities the loss is computed from. `--model demo`
+(the default) is the tiny model shipped in minigrpo/demo_model (made by minigrpo/demo.py); any other name is a local
+folder or a Hugging Face repo id, loaded by the same code.
 """
 import os
 
@@ -15,24 +14,21 @@ DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_mode
 
 
 def packed_attention(module, query, key, value, attention_mask, position_ids=None, **kwargs):
-    """transformers' SDPA attention, except on a packed row (no mask; position ids restart at 0 where each sequence
-    starts): there each sequence attends causally to itself alone, sequences of one length stacked in one SDPA call,
-    where a block-diagonal mask would compute all N x N scores and discard most. On GPUs, attn_implementation=
-    "flash_attention_2" does the same from the same position ids (varlen kernels)."""
+    """transformers' SDPA attention, except on a packed row (no mask, position ids restarting at 0 at each sequence):
+    there each sequence attends causally to itself alone, the k sequences of one length L in one SDPA call, where a
+    block-diagonal mask would compute all N x N scores and discard most. flash_attention_2 does the same on GPUs."""
     N = query.shape[2]  # query (1, heads, N, head_dim)
     if attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != N:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [N]
     spans = list(zip(starts, starts[1:]))
-    order, parts = [], []
+    out = query.new_empty(N, query.shape[1], value.shape[3])  # (N, heads, head_dim)
     for L in sorted({e - s for s, e in spans}):
         idx = torch.tensor([t for s, e in spans if e - s == L for t in range(s, e)], device=query.device)
-        k = len(idx) // L
-        rows = lambda x: x[0][:, idx].view(x.shape[1], k, L, x.shape[3]).transpose(0, 1)  # noqa: E731 (k, h, L, d)
-        out = sdpa_attention_forward(module, rows(query), rows(key), rows(value), None, **kwargs)[0]  # (k, L, h, d)
-        parts.append(out.reshape(k * L, *out.shape[2:]))
-        order.append(idx)
-    return torch.cat(parts)[torch.argsort(torch.cat(order))][None], None  # (1, N, heads, head_dim), row order
+        rows = lambda x: x[0][:, idx].view(x.shape[1], -1, L, x.shape[3]).transpose(0, 1)  # noqa: E731 (k, h, L, d)
+        part = sdpa_attention_forward(module, rows(query), rows(key), rows(value), None, **kwargs)[0]  # (k, L, h, d)
+        out[idx] = part.flatten(0, 1)
+    return out[None], None
 
 
 def packed_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
@@ -73,18 +69,14 @@ def load_model(name: str, device: torch.device, dtype: str = "float32"):
 
 def enable_checkpointing(model):
     """Recompute activations in the backward pass (transformers 5.24 renamed it; the 5.20 line has the old name)."""
-    kwargs = {"use_reentrant": False}  # works with frozen embeddings, no input gradients needed
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})  # works with frozen embeddings, no input gradients needed
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
     """EOS ids from both the tokenizer and generation_config (instruct models often list several)."""
     eos = getattr(model.generation_config, "eos_token_id", None)
-    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
-    return sorted(ids - {None})
+    return sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
 
 
 CHUNK_LOGITS = 2**23  # logits computed at once by the output head: 32 MiB in float32
@@ -95,9 +87,8 @@ class HeadLogprobs(torch.autograd.Function):
 
         z_t = (h_t W^T) / T,   logp_t = z_t[y_t] - logsumexp(z_t),   entropy_t = logsumexp(z_t) - sum_v p_tv z_tv
 
-    W is frozen, so d logp_t / d h_t = (W[y_t] - p_t W) / T depends on nothing downstream: it is computed here, in
-    the forward pass, and the backward pass only scales it by d loss / d logp_t. No (tokens x vocab) tensor
-    outlives its chunk, in the forward or the backward pass, and nothing is recomputed.
+    W is frozen, so d logp_t / d h_t = (W[y_t] - p_t W) / T depends on nothing downstream: computed in the forward
+    pass, it is only scaled by d loss / d logp_t in the backward. No (tokens x vocab) tensor outlives its chunk.
     """
 
     @staticmethod
@@ -122,15 +113,13 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
-        (grad,) = ctx.saved_tensors
-        return (grad_logp[:, None] * grad).to(ctx.dtype), None, None, None
+        return (grad_logp[:, None] * ctx.saved_tensors[0]).to(ctx.dtype), None, None, None
 
 
 def sequence_logprobs(model, input_ids, attention_mask, temperature: float, position_ids=None):
-    """log pi(x_t | x_<t) for t >= 1 in float32 from logits / temperature, with gradient, and the per-token entropy
-    without: (B, L-1) each, position t-1 predicting token t. input_ids (B, L) are right-padded with attention_mask,
-    or packed (attention_mask None, position_ids restarting at 0 where each sequence starts). The output head must
-    be a frozen bias-free nn.Linear (Qwen, Llama, Mistral and most causal LMs; LoRA leaves it frozen)."""
+    """log pi(x_t | x_<t), t >= 1, in float32 from logits / temperature, with gradient, and the entropy without:
+    (B, L-1) each, position t-1 predicting token t. input_ids (B, L) are right-padded with attention_mask, or
+    packed (no mask, position ids restarting at 0 at each sequence). The head must be a frozen bias-free nn.Linear."""
     head = model.get_output_embeddings()
     trained = head.weight.requires_grad and torch.is_grad_enabled()
     if not isinstance(head, torch.nn.Linear) or head.bias is not None or trained:

@@ -4,14 +4,11 @@
 """
 import argparse
 
-import matplotlib
 import numpy as np
+from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global figure to close
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from minigrpo.run import latest_per_step, read_records  # noqa: E402
-from minigrpo.storage import Storage  # noqa: E402
+from minigrpo.run import latest_per_step, read_records
+from minigrpo.storage import Storage
 
 
 def right_axis(panel, title: str, curves: list[tuple], loc="upper right"):
@@ -30,9 +27,9 @@ def plot_run(run_dir: str, out: str) -> str:
     steps = [r for r in train if r["step"] > 0]
     x = [r["step"] for r in steps]
     col = lambda key: [r.get(key, float("nan")) for r in steps]
-    fig, ax = plt.subplots(2, 3, figsize=(16, 8.5))
+    fig = Figure(figsize=(16, 8.5))
     fig.suptitle(f"minigrpo run {run_dir}")
-    (reward, ratio, stale), (timing, queue, entropy) = ax
+    (reward, ratio, stale), (timing, queue, entropy) = fig.subplots(2, 3)
 
     reward.plot(x, col("reward/mean"), lw=0.8, alpha=0.6, label="reward/mean (train batch)")
     evals = [r for r in train if "eval/accuracy" in r]
@@ -72,23 +69,18 @@ def plot_run(run_dir: str, out: str) -> str:
     right_axis(entropy, "entropy and completion length",
                [(x, col("completions/mean_length"), "completion length", "C1")])
 
-    for a in ax.flat:
+    for a in (reward, ratio, stale, timing, queue, entropy):
         a.set_xlabel("step")
         a.legend(loc="upper left", fontsize=8)
         a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
-    plt.close(fig)
     return out
 
 
-def main():
+if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
     parser.add_argument("--out", default="dashboard.png", help="PNG path")
     args = parser.parse_args()
     print(plot_run(args.run_dir, args.out))
-
-
-if __name__ == "__main__":
-    main()

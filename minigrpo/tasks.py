@@ -1,12 +1,9 @@
 """Prompt sets and verifiable rewards. A task hands out Problems (prompt text + reference answer) and scores text.
 
-reverse_add, the demo task: "12+34=" -> "64", the sum 46 written backwards. The answer is checkable, the tiny
-built-in model is right only some of the time, and writing digits in reverse order makes the carry local, so
-a 2-layer model can learn it.
-
-math: problems from --task_data (README, "Real models"). The reward is 1 when the last \\boxed{...} of the
-completion (after the one </think> of a reasoning model) equals the reference: by math-verify where it is
-installed, else by a normalised comparison (spacing, \\left/\\right, \\dfrac, \\text{}, degrees, numbers).
+reverse_add, the demo task: "12+34=" -> "64", the sum 46 written backwards: the digits in reverse order make the
+carry local, so a 2-layer model can learn it. math: problems from --task_data (README, "Real models"); the reward
+is 1 when the last \\boxed{...} (after the one </think> of a reasoning model) equals the reference, compared
+after normalising (spacing, \\left/\\right, \\dfrac, \\text{}, degrees, numbers), else by math-verify if installed.
 """
 import json
 import math
@@ -113,10 +110,9 @@ class MathTask:
             raise ValueError("--task math needs --task_data: a .jsonl or .parquet file, or hf://datasets/OWNER/NAME/FILE")
         problem_key, answer_key = fields.split(",")
         rows = read_rows(data)
-        for i, row in enumerate(rows):
-            if problem_key not in row or answer_key not in row:
-                raise ValueError(f"{data} row {i} lacks the field {problem_key!r} or {answer_key!r} "
-                                 f"(it has {sorted(row)}); set --task_fields PROBLEM,ANSWER")
+        if bad := [i for i, row in enumerate(rows) if problem_key not in row or answer_key not in row]:
+            raise ValueError(f"{data} row {bad[0]} lacks the field {problem_key!r} or {answer_key!r} "
+                             f"(it has {sorted(rows[bad[0]])}); set --task_fields PROBLEM,ANSWER")
         problems = [Problem(str(r[problem_key]), str(r[answer_key])) for r in rows]
         random.Random(0).shuffle(problems)
         n_eval = max(1, int(len(problems) * eval_fraction))
