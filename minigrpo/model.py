@@ -96,16 +96,24 @@ class HeadLogprobs(torch.autograd.Function):
         N, chunk = len(hidden), max(1, CHUNK_LOGITS // len(weight))
         logp, entropy = hidden.new_empty(N, dtype=torch.float32), hidden.new_empty(N, dtype=torch.float32)
         grad = hidden.new_empty(N, hidden.shape[1], dtype=torch.float32) if ctx.needs_input_grad[0] else None
+        # (chunk, V) buffers that every chunk reuses: a fresh one per chunk fragments the heap and raises the peak
+        out = hidden.new_empty(min(chunk, N), len(weight))  # the head's output, in its dtype
+        p_buf = torch.empty_like(out, dtype=torch.float32)
+        z_buf = out if out.dtype == torch.float32 else torch.empty_like(p_buf)
         for s in range(0, N, chunk):
-            y = targets[s:s + chunk]  # (c,)
-            z = (hidden[s:s + chunk] @ weight.T).float() / temperature  # (c, V), as model(...).logits / T
-            lse = z.logsumexp(-1)  # (c,)
-            p = (z - lse[:, None]).exp_()  # (c, V) the softmax
+            y, c = targets[s:s + chunk], min(chunk, N - s)  # (c,)
+            z = z_buf[:c].copy_(torch.matmul(hidden[s:s + chunk], weight.T, out=out[:c])).div_(temperature)  # (c, V)
+            top = z.amax(-1, keepdim=True)  # (c, 1)
+            p = torch.sub(z, top, out=p_buf[:c]).exp_()  # (c, V), not yet normalised
+            total = p.sum(-1, keepdim=True)  # (c, 1)
+            p /= total  # the softmax
+            lse = (top + total.log()).squeeze(1)  # (c,) logsumexp(z)
             logp[s:s + chunk] = z.gather(1, y[:, None]).squeeze(1) - lse
-            entropy[s:s + chunk] = lse - torch.einsum("cv,cv->c", p, z)
+            entropy[s:s + chunk] = lse - (p[:, None] @ z[:, :, None]).view(c)  # sum_v p z without a (c, V) product
             if grad is not None:
-                p[torch.arange(len(y)), y] -= 1  # p - onehot(y) = -d logp / d z
-                grad[s:s + chunk] = -(p.to(weight.dtype) @ weight).float() / temperature  # (c, H)
+                p[torch.arange(c), y] -= 1  # p - onehot(y) = -d logp / d z
+                p_w = p if out.dtype == torch.float32 else out[:c].copy_(p)  # in the head's dtype, into its buffer
+                grad[s:s + chunk] = -(p_w @ weight).float() / temperature  # (c, H)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(entropy)
         ctx.dtype = hidden.dtype
