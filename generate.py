@@ -112,8 +112,7 @@ def main():
                 engine.load_adapter(latest, path)
             except (OSError, ValueError, KeyError, SafetensorError) as e:  # incomplete or damaged: keep the old one
                 skipped.add(latest)
-                print(f"generator {gen_id}: cannot load {path} ({type(e).__name__}: {e}); "
-                      f"{'staying on version ' + str(engine.version) if engine.version is not None else 'waiting'}", flush=True)
+                print(f"generator {gen_id}: cannot load {path} ({type(e).__name__}: {e}); skipped", flush=True)
         if engine.version is None:  # no version could be loaded yet: wait for the next one (not backpressure)
             if time.time() > say_at:
                 print(f"waiting for a loadable {storage.url('adapters/LATEST')} (is train.py running?)", flush=True)

@@ -87,7 +87,6 @@ def read_json(storage, key: str):
 
 
 def create_run(storage, settings: RunSettings) -> dict:
-    """The trainer's side: make run.json if the run is new, then join it."""
     if read_json(storage, "run.json") is None:
         if storage.list("adapters") or storage.list("checkpoints"):
             raise SystemExit(f"{storage.url('run.json')} is missing but the run has adapters or checkpoints: "
@@ -137,8 +136,8 @@ class Lease:
         age = time.time() - theirs.get("heartbeat", 0) if theirs else 0
         if theirs and age < self.timeout_s and not dead_here(theirs):
             raise SystemExit(f"{self.storage.url()} is owned by trainer {theirs.get('owner')} (host {theirs.get('host')}, "
-                             f"pid {theirs.get('pid')}), heartbeat {age:.0f}s ago: stop it, or take over once the "
-                             f"lease is {self.timeout_s:.0f}s old (--lease_timeout_s).")
+                             f"pid {theirs.get('pid')}), heartbeat {age:.0f}s ago. One trainer per run: stop it, or "
+                             f"wait until its lease is {self.timeout_s:.0f}s old (--lease_timeout_s) to take over.")
         self.write()
         time.sleep(min(1.0, self.timeout_s / 10))  # two trainers that start together: the last write wins
         self.check()

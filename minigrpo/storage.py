@@ -1,9 +1,7 @@
-"""The run directory's storage: every read and write of RUN (a folder or an fsspec URL) goes through this module.
-
-The protocol needs only what every object store does atomically: put or get a whole object, list a prefix (a
-listing may lag a put), delete (README: The run directory). On a local disk put() writes a hidden temp file,
-fsyncs it and os.replace()s it, and get() reads only regular files, so a hostile entry in the run directory can
-neither hang a reader nor point it outside the run. Any failure of the store is an OSError naming the object.
+"""The run directory's storage: every read and write of RUN (a folder or an fsspec URL) goes through this module,
+whole objects only (README: The run directory). On a local disk put() writes a hidden temp file, fsyncs it and
+os.replace()s it, and get() reads only regular files, so a hostile entry in the run directory can neither hang a
+reader nor point it outside the run. Any failure of the store is an OSError naming the object.
 """
 import contextlib
 import glob
@@ -95,7 +93,7 @@ class Storage:
             return self.fs.exists(f"{self.root}/{key}")
 
     def list(self, prefix: str) -> list[str]:
-        """Sorted names directly under a prefix (objects and sub-prefixes; local temp files left out)."""
+        """Sorted names directly under a prefix (a bucket's listing may lag a put; local temp files left out)."""
         path = f"{self.root}/{prefix}".rstrip("/")
         with self._naming("list", prefix):
             try:  # a local listing through os is ten times cheaper than through fsspec
