@@ -1,10 +1,6 @@
-"""generate.py: the generation side of minigrpo.
-
-Samples G completions per prompt with the newest published adapter (RUN/adapters/LATEST, loaded between
-batches), scores them with the task's reward, and writes each finished group, whole, into RUN/rollouts/ for the
-trainer, stamped with the adapter version it was sampled with and the digest of its weights. It waits while
---max_ready groups wait for the trainer (backpressure), and exits when the trainer writes RUN/DONE. It shares
-nothing with the trainer but the run directory: start as many generators as you like, on any machines.
+"""generate.py: the generation side of minigrpo. Samples G completions per prompt with the adapter named by
+RUN/adapters/LATEST, scores them and writes each group, whole, into RUN/rollouts/ (README: The algorithm, step by
+step). It shares nothing with the trainer but the run directory: start as many generators as you like, anywhere.
 
     python generate.py & python train.py                                  # the demo, one CPU machine
     python generate.py --run_dir s3://bucket/run1 --device cuda:0         # one generator per GPU, any machine
@@ -19,6 +15,7 @@ import socket
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 from safetensors import SafetensorError
@@ -39,7 +36,7 @@ from minigrpo.tasks import make_task, prompt_ids, score
 class GenerateConfig:
     run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory: a folder or a URL"})
     replica_run_dir: str = field(default="", metadata={"help": "--engine http: the run directory as replicas see it"})
-    engine: str = field(default="torch", metadata={"help": "torch (built in) | http (vLLM server, proxy.py) | vllm"})
+    engine: Literal["torch", "http", "vllm"] = field(default="torch", metadata={"help": "http: vLLM or proxy.py"})
     url: str = field(default="http://127.0.0.1:8000", metadata={"help": "--engine http: the server or proxy address"})
     api_key: str = field(default="", metadata={"help": "--engine http: the server's API key (or env MINIGRPO_API_KEY)"})
     max_inflight: int = field(default=64, metadata={"help": "--engine http: most requests in flight at once"})
@@ -67,14 +64,11 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
                             keep=run.max_staleness + 1)
         engine.wait_ready()
         return engine, tokenizer
-    if cfg.engine == "vllm":
-        return VllmEngine(resolve_model(run.model), run.lora_r, keep=run.max_staleness + 1, seed=seed), tokenizer
-    raise SystemExit(f"unknown --engine {cfg.engine!r}; choose torch, http or vllm")
+    return VllmEngine(resolve_model(run.model), run.lora_r, keep=run.max_staleness + 1, seed=seed), tokenizer
 
 
 def waiting_groups(buffer: RolloutBuffer, mine: list) -> int:
-    """Groups written but not consumed yet: what a live trainer's lease saw waiting, plus what this generator
-    wrote since (mine: (time, groups) of its writes); else the listing of rollouts/ less what the lease consumed."""
+    """Groups not consumed yet: a live lease's count plus what this generator wrote since, else a listing's."""
     lease = read_json(buffer.storage, "owner.json") or {}
     if "waiting" not in lease or time.time() - lease["heartbeat"] > lease["timeout_s"]:
         return len(buffer.listed()) - lease.get("pending", 0)
@@ -87,8 +81,7 @@ def main():
     writer = f"{gen_id}-{uuid.uuid4().hex[:4]}"  # this life's name: a restart never rewrites an old group
     storage = Storage(cfg.run_dir)
     if storage.exists("DONE"):
-        raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): nothing to generate. "
-                         f"Delete it or pass another --run_dir to start a new run.")
+        raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): pass another --run_dir.")
     meta = join_run(storage, run)
     poll_s = max(cfg.poll_s, storage.poll_s)  # a bucket charges per request: look less often
     torch.set_num_threads(cfg.threads)
@@ -119,8 +112,7 @@ def main():
                 engine.load_adapter(latest, path)
             except (OSError, ValueError, KeyError, SafetensorError) as e:  # incomplete or damaged: keep the old one
                 skipped.add(latest)
-                print(f"generator {gen_id}: cannot load {path} ({type(e).__name__}: {e}); "
-                      f"{'staying on version ' + str(engine.version) if engine.version is not None else 'waiting'}", flush=True)
+                print(f"generator {gen_id}: cannot load {path} ({type(e).__name__}: {e}); skipped", flush=True)
         if engine.version is None:  # no version could be loaded yet: wait for the next one (not backpressure)
             if time.time() > say_at:
                 print(f"waiting for a loadable {storage.url('adapters/LATEST')} (is train.py running?)", flush=True)
@@ -130,7 +122,6 @@ def main():
             continue
         sync_s = time.time() - t0
 
-        # ---- sample, score, write: one group per prompt, all with the version loaded now ----
         problems = [task.sample(rng) for _ in range(cfg.prompts_per_batch)]
         prompts = [prompt_ids(tokenizer, p.prompt, run.system_prompt) for p in problems]
         started, version = time.time(), engine.version
@@ -163,5 +154,4 @@ if __name__ == "__main__":
     try:
         main()
     except (ServerError, OSError) as e:  # a server that stayed unreachable, a full disk, a refused bucket
-        raise SystemExit(f"generate.py: {e}\nEvery group it finished is intact (groups appear whole or not at "
-                         f"all); fix the problem and start it again.")
+        raise SystemExit(f"generate.py: {e}\nEvery group it finished is intact; fix the problem and start it again.")

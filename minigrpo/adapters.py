@@ -1,11 +1,8 @@
 """Versioned adapter publishing: how new weights reach the generators without NCCL.
 
-Version v is the PEFT directory RUN/adapters/policy-<run id>-v<v:06d>/ (v0, with B = 0, is exactly the base
-model). It is complete once its weights, written last, exist; then RUN/adapters/LATEST is replaced with its name.
-A name always means one set of weights (vLLM keys its prefix cache by adapter name), so names carry the run id
-and are never reused, not even after a crash. A directory is deleted one publish after it leaves the window of
-max_staleness + 1 versions, since a server may still re-read an evicted adapter from its path. The digest (16 hex
-digits of the sha256 of the weights file) lets the trainer check that a sampler used the version it claims.
+Version v is the PEFT directory RUN/adapters/policy-<run id>-v<v:06d>/ (v0, with B = 0, is exactly the base model),
+named by RUN/adapters/LATEST once its weights, written last, exist. A name always means one set of weights (vLLM
+keys its prefix cache by adapter name), so names carry the run id and are never reused, not even after a crash.
 """
 import contextlib
 import re
@@ -22,15 +19,12 @@ class AdapterStore:
         return f"policy-{self.run_id}-v{version:06d}"
 
     def url(self, version: int) -> str:
-        """Where a sampler loads the version from: a local path or a storage URL."""
         return self.storage.url(f"adapters/{self.name(version)}")
 
     def versions(self) -> list[int]:
-        """Versions listed under adapters/ (a listing may lag; next_version() does not rely on it alone)."""
         return sorted(int(m.group(1)) for m in map(self.pattern.match, self.storage.list("adapters")) if m)
 
     def latest(self) -> int | None:
-        """The version named by LATEST, or None before the trainer's first publish."""
         with contextlib.suppress(FileNotFoundError):
             if m := self.pattern.match(self.storage.get("adapters/LATEST").decode().strip()):
                 return int(m.group(1))
@@ -53,7 +47,7 @@ class AdapterStore:
         """Point LATEST at a written version, then delete versions that left the window one publish ago."""
         self.storage.put("adapters/LATEST", self.name(version) + "\n")
         for old in self.versions():
-            if old < version - keep:  # named until version - keep + 1; one publish of grace after that
+            if old < version - keep:  # grace of one publish: a server may re-read an evicted adapter from its path
                 self.storage.delete(f"adapters/{self.name(old)}", recursive=True)
                 self.digests.pop(old, None)
 

@@ -1,9 +1,6 @@
-"""Trainer checkpoints, for resuming after preemption: RUN/checkpoints/step-NNNNNN/ holds the adapter (PEFT
-format), optimizer.pt (AdamW state and the torch RNG state), trainer_state.json (step, version, counters, the
-ledger of consumed groups, the resolved configuration) and, written last, MANIFEST: each file's sha256.
-
-A checkpoint without its MANIFEST does not exist. Loading checks every file against it, and resume falls back to
-the previous checkpoint when the newest is damaged, naming what it skipped. The newest two are kept.
+"""Trainer checkpoints: RUN/checkpoints/step-NNNNNN/ holds the adapter, optimizer.pt (AdamW and RNG state),
+trainer_state.json (step, version, counters, the ledger, the configuration) and, written last, MANIFEST: each
+file's sha256. A checkpoint without its MANIFEST does not exist; resume skips a damaged one and names it.
 """
 import hashlib
 import io
@@ -25,10 +22,8 @@ def save_checkpoint(storage, step: int, model_state: dict, adapter_config: dict,
     torch.save({"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}, blob)
     files = adapter_files(model_state, adapter_config)
     files |= {"optimizer.pt": blob.getvalue(), "trainer_state.json": json.dumps(state | {"step": step}).encode()}
-    for name, data in files.items():
-        storage.put(f"{key}/{name}", data)
-    manifest = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-    storage.put(f"{key}/MANIFEST", json.dumps(manifest, indent=1))
+    storage.put_many({f"{key}/{name}": data for name, data in files.items()})
+    storage.put(f"{key}/MANIFEST", json.dumps({n: hashlib.sha256(d).hexdigest() for n, d in files.items()}, indent=1))
 
 
 def prune_checkpoints(storage):
@@ -42,13 +37,12 @@ def load_checkpoint(storage, model, optimizer) -> tuple[dict | None, list[str]]:
     """Restore the newest intact checkpoint into place: (trainer state or None, what was skipped and why)."""
     skipped = []
     for s in sorted((s for s in storage.list("checkpoints") if NAME.match(s)), reverse=True):
-        key = f"checkpoints/{s}"
-        if not storage.exists(f"{key}/MANIFEST"):
+        if not storage.exists(f"checkpoints/{s}/MANIFEST"):
             skipped.append(f"{s}: incomplete (no MANIFEST)")
             continue
         try:
-            manifest = json.loads(storage.get(f"{key}/MANIFEST"))
-            files = {name: storage.get(f"{key}/{name}") for name in manifest}
+            manifest = json.loads(storage.get(f"checkpoints/{s}/MANIFEST"))
+            files = {name: storage.get(f"checkpoints/{s}/{name}") for name in manifest}
             if bad := [name for name, data in files.items() if hashlib.sha256(data).hexdigest() != manifest[name]]:
                 raise ValueError(f"{', '.join(bad)} do not match the MANIFEST")
             blob = torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True)

@@ -1,15 +1,11 @@
-"""The rollout record and the rollout buffer: the only data that flows from generators to the trainer.
-
-One group (G completions of one prompt, all sampled with one adapter version) is one safetensors object,
-RUN/rollouts/<writer>-<seq>.safetensors: tensors for the ids and log-probs, string metadata for the rest. It is
-written once and never moved. The trainer records what it consumed in its Ledger (saved in every checkpoint),
-deletes a group once two complete checkpoints cover it, and copies one it cannot read or validate to RUN/bad/
-with <id>.reason.txt, never training it.
+"""The rollout record and buffer: the only data that flows from generators to the trainer. One group (G completions
+of one prompt, all sampled with one adapter version) is one safetensors object, RUN/rollouts/<writer>-<seq>.safetensors,
+written once and never moved: tensors for the ids and log-probs, string metadata for the rest. Also here: the
+trainer's Ledger of consumed groups, quarantine and garbage collection (README: The run directory).
 """
 import itertools
 import json
 import math
-import struct
 import time
 from dataclasses import dataclass
 
@@ -23,6 +19,7 @@ FORMAT = "minigrpo.group.v1"
 INTS = (torch.int64, torch.int32)
 DTYPES = {"prompt_ids": INTS, "completion_ids": INTS, "completion_lens": INTS, "behavior_logprobs": (torch.float32,),
           "rewards": (torch.float32,), "truncated": (torch.bool,)}
+FLAT, PADDED = ("prompt_ids", "rewards", "truncated"), ("completion_ids", "behavior_logprobs")  # Group's tensors
 META = {"policy_version": int, "temperature": float, "adapter_digest": str, "generator_id": str, "started_at": float,
         "finished_at": float}  # the Group fields kept as string metadata, and how to read each back
 
@@ -43,25 +40,19 @@ class Group:
     started_at: float = 0.0
     finished_at: float = 0.0
 
-    def __len__(self):
-        return len(self.completion_ids)
-
 
 def to_tensors(group: Group) -> tuple[dict, dict]:
     """(tensors, metadata): completions right-padded to the longest, with their lengths alongside."""
-    tensors = {"prompt_ids": torch.tensor(group.prompt_ids, dtype=torch.long),
-               "completion_ids": pad_sequence([torch.tensor(c, dtype=torch.long) for c in group.completion_ids], True),
-               "completion_lens": torch.tensor([len(c) for c in group.completion_ids], dtype=torch.long),
-               "behavior_logprobs": pad_sequence([torch.tensor(lp) for lp in group.behavior_logprobs], True),
-               "rewards": torch.tensor(group.rewards, dtype=torch.float32),
-               "truncated": torch.tensor(group.truncated, dtype=torch.bool)}
+    tensors = {k: torch.tensor(getattr(group, k), dtype=DTYPES[k][0]) for k in FLAT}
+    tensors |= {k: pad_sequence([torch.tensor(r, dtype=DTYPES[k][0]) for r in getattr(group, k)], True) for k in PADDED}
+    tensors["completion_lens"] = torch.tensor([len(c) for c in group.completion_ids], dtype=torch.long)
     return tensors, {"format": FORMAT} | {k: str(getattr(group, k)) for k in META}
 
 
 def read_group(data: bytes, group_id: str) -> Group:
     """Inverse of to_tensors, validating as it goes: any inconsistency is a ValueError that says what is wrong."""
-    n = struct.unpack("<Q", data[:8])[0]  # safetensors: the header's length in 8 bytes, then the JSON header
-    tensors, metadata = load(data), json.loads(data[8:8 + n]).get("__metadata__") or {}
+    tensors = load(data)  # safetensors: the header's length in 8 little-endian bytes, then the JSON header
+    metadata = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
     if metadata.get("format") != FORMAT:
         raise ValueError(f"format is {metadata.get('format')!r}, expected {FORMAT!r}")
     if missing := DTYPES.keys() - tensors.keys():
@@ -81,10 +72,8 @@ def read_group(data: bytes, group_id: str) -> Group:
     if not torch.isfinite(tensors["rewards"]).all():
         raise ValueError("rewards must be finite")
     lens = lens.tolist()
-    return Group(prompt_ids=tensors["prompt_ids"].tolist(),
-                 completion_ids=[row[:k] for row, k in zip(ids.tolist(), lens)],
-                 behavior_logprobs=[row[:k] for row, k in zip(logps.tolist(), lens)],
-                 rewards=tensors["rewards"].tolist(), truncated=tensors["truncated"].tolist(), group_id=group_id,
+    rows = {k: [row[:n] for row, n in zip(tensors[k].tolist(), lens)] for k in PADDED}
+    return Group(**{k: tensors[k].tolist() for k in FLAT}, **rows, group_id=group_id,
                  **{k: read(metadata[k]) for k, read in META.items() if k in metadata})
 
 
@@ -99,9 +88,8 @@ def group_key(group_id: str) -> str:
 
 
 class Ledger:
-    """What the trainer has consumed, by group id. A checkpoint saves two lists: `collect`, consumed before
-    the previous checkpoint (safe to delete once this checkpoint is complete: every checkpoint a resume can
-    pick covers them), and `consumed`, consumed since. `taken` is this life's, since the last checkpoint."""
+    """Consumed group ids. A checkpoint saves `collect`, consumed before the previous checkpoint (deletable once
+    this one is complete), and `consumed`, consumed since; `taken` is this life's, since the last checkpoint."""
 
     def __init__(self, state: dict | None = None):
         state = state or {}
@@ -142,9 +130,8 @@ class RolloutBuffer:
         """Ids of the groups in rollouts/, consumed or not (the trainer publishes how many of them it consumed)."""
         return [n.removesuffix(".safetensors") for n in self.storage.list("rollouts") if n.endswith(".safetensors")]
 
-    def take(self, n: int, ledger: Ledger, validate=None, stats=None) -> list[Group]:
-        """Up to n of the oldest groups the ledger has not seen, each recorded in it. A group that cannot be
-        read or validated, for any reason, is quarantined (counted in stats) and the trainer goes on."""
+    def take(self, n: int, ledger: Ledger, validate=lambda group: None, stats=None) -> list[Group]:
+        """Up to n of the oldest groups the ledger has not seen, recorded in it; one that fails is quarantined."""
         stats, self.listed_at = {} if stats is None else stats, time.time()
         new = sorted((i for i in self.listed() if i not in ledger.skip), key=sequence_number)
         self.order.update(dict.fromkeys(new))  # new ones join the end by sequence number; known ones keep their place
@@ -161,8 +148,7 @@ class RolloutBuffer:
                     if isinstance(data, ValueError):  # not a regular file
                         raise data
                     group = read_group(data, gid)
-                    if validate:
-                        validate(group)
+                    validate(group)
                 except Exception as e:  # noqa: BLE001 - nothing in a group file may stop the trainer
                     self.quarantine(gid, data, f"{type(e).__name__}: {e}", stats)
                     stats["attribution_mismatch"] = stats.get("attribution_mismatch", 0) + isinstance(e, AttributionError)
@@ -191,10 +177,9 @@ class RolloutBuffer:
 
 
 def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_of=None):
-    """What the trainer checks on every group it takes, against run.json's bounds, at trainer version
-    `version`; digest_of(v) is the digest of adapter version v's weights ("" if unknown)."""
-    if len(group) != run["group_size"]:
-        raise ValueError(f"group_size: the group has {len(group)} completions, the run's is {run['group_size']}")
+    """The trainer's checks against run.json's bounds; digest_of(v) is the digest of version v ("" if unknown)."""
+    if (G := len(group.completion_ids)) != run["group_size"]:
+        raise ValueError(f"group_size: the group has {G} completions, the run's is {run['group_size']}")
     if not math.isclose(group.temperature, run["temperature"], rel_tol=0, abs_tol=1e-6):
         raise ValueError(f"temperature: sampled at {group.temperature}, the run uses {run['temperature']}")
     if group.policy_version > version:

@@ -37,8 +37,7 @@ class RunSettings:
     max_staleness: int = field(default=4, metadata={"help": "drop groups more than this many adapter versions old"})
 
     def is_fresh(self, trainer_version: int, policy_version: int) -> bool:
-        """The staleness window: keep a group unless it is more than max_staleness versions behind (strict >,
-        as TRL drops). The trainer keeps, and replicas keep loaded, the newest max_staleness + 1 versions."""
+        """The staleness window: drop a group more than max_staleness versions behind (strict >, as TRL does)."""
         return trainer_version - policy_version <= self.max_staleness
 
 
@@ -71,8 +70,7 @@ FAULT = os.environ.get("MINIGRPO_FAULT", "")  # <point>:<step>, for the crash te
 
 
 def fault(point: str, step: int):
-    """MINIGRPO_FAULT=<point>:<step> exits at once (os._exit(137), no cleanup, like SIGKILL) the first time the
-    trainer reaches that point at or after that step (after_checkpoint, mid_gc, after_metrics, before_latest)."""
+    """Exit like SIGKILL (os._exit(137)) the first time the trainer reaches that point at or after that step."""
     if FAULT and FAULT.split(":")[0] == point and step >= int(FAULT.split(":")[1]):
         print(f"MINIGRPO_FAULT: exiting at {point}, step {step}", flush=True)
         os._exit(137)
@@ -85,46 +83,48 @@ def read_json(storage, key: str):
     except FileNotFoundError:
         return None
     except ValueError as e:
-        raise SystemExit(f"{storage.url(key)} is damaged (not valid JSON: {e}). Restore it from a copy, or start "
-                         f"a new run with another --run_dir.") from e
+        raise SystemExit(f"{storage.url(key)} is damaged (not valid JSON: {e}): restore it or change --run_dir") from e
 
 
 def create_run(storage, settings: RunSettings) -> dict:
-    """The trainer's side: make run.json if the run is new, else check it. Returns its contents."""
-    theirs = read_json(storage, "run.json")
-    if theirs is None:
+    if read_json(storage, "run.json") is None:
         if storage.list("adapters") or storage.list("checkpoints"):
             raise SystemExit(f"{storage.url('run.json')} is missing but the run has adapters or checkpoints: "
                              f"restore run.json, or start a new run with another --run_dir.")
-        theirs = dataclasses.asdict(settings) | {"run_id": uuid.uuid4().hex[:8], "created": time.time()}
-        storage.put("run.json", json.dumps(theirs, indent=2))
-    return check_run(storage, settings, theirs)
+        run = dataclasses.asdict(settings) | {"run_id": uuid.uuid4().hex[:8], "created": time.time()}
+        storage.put("run.json", json.dumps(run, indent=2))
+    return join_run(storage, settings)
 
 
 def join_run(storage, settings: RunSettings, timeout_s: float = 600.0) -> dict:
-    """A generator's side: wait for the trainer to create run.json, then check it. Returns its contents."""
+    """Wait for the trainer to create run.json, then check that it has this process's settings. Returns it."""
     t0 = time.time()
     while (theirs := read_json(storage, "run.json")) is None:
         if time.time() - t0 > timeout_s:
             raise SystemExit(f"no {storage.url('run.json')} after {timeout_s:.0f}s: is train.py running with "
                              f"this --run_dir? (the trainer creates the run)")
         time.sleep(storage.poll_s)
-    return check_run(storage, settings, theirs)
-
-
-def check_run(storage, settings: RunSettings, theirs: dict) -> dict:
-    mine = dataclasses.asdict(settings)
-    diff = [f"{k}: run.json has {theirs.get(k)!r}, this process has {v!r}" for k, v in mine.items() if theirs.get(k) != v]
+    diff = [f"{k}: run.json has {theirs.get(k)!r}, this process has {v!r}"
+            for k, v in dataclasses.asdict(settings).items() if theirs.get(k) != v]
     if diff:
         raise SystemExit(f"{storage.url('run.json')} was written with other settings; start this process with the "
                          f"same ones (or use another --run_dir):\n  " + "\n  ".join(diff))
     return theirs
 
 
+def dead_here(lease: dict) -> bool:
+    """A killed trainer on this same host: its lease can be taken at once (a restart after SIGKILL)."""
+    try:
+        os.kill(int(lease.get("pid", 0)), 0)  # signal 0 only asks whether the process exists
+    except ProcessLookupError:
+        return lease.get("host") == socket.gethostname()
+    except (PermissionError, ValueError):  # it exists under another user, or there is no pid
+        pass
+    return False
+
+
 class Lease:
-    """owner.json: one trainer owns a run, and rewrites it every timeout_s / 6 with the time and its progress
-    (generators read `waiting` and `pending` from it for backpressure). Another trainer takes the run over once
-    the heartbeat is timeout_s old; the owner checks the lease before each step and exits if it was taken."""
+    """owner.json, the trainer's lease (README: The run directory); generators read its progress for backpressure."""
 
     def __init__(self, storage, timeout_s: float = 60.0):
         self.storage, self.timeout_s, self.lock, self.stop = storage, timeout_s, threading.Lock(), threading.Event()
@@ -134,7 +134,7 @@ class Lease:
     def acquire(self):
         theirs = read_json(self.storage, "owner.json")
         age = time.time() - theirs.get("heartbeat", 0) if theirs else 0
-        if theirs and age < self.timeout_s and not self.dead_here(theirs):
+        if theirs and age < self.timeout_s and not dead_here(theirs):
             raise SystemExit(f"{self.storage.url()} is owned by trainer {theirs.get('owner')} (host {theirs.get('host')}, "
                              f"pid {theirs.get('pid')}), heartbeat {age:.0f}s ago. One trainer per run: stop it, or "
                              f"wait until its lease is {self.timeout_s:.0f}s old (--lease_timeout_s) to take over.")
@@ -143,18 +143,6 @@ class Lease:
         self.check()
         threading.Thread(target=self._beat, daemon=True).start()
         return theirs  # the previous owner's lease, if this is a takeover
-
-    @staticmethod
-    def dead_here(theirs: dict) -> bool:
-        """A killed trainer on this same host: its lease can be taken at once (a restart after SIGKILL)."""
-        try:
-            if theirs.get("host") == socket.gethostname():
-                os.kill(int(theirs.get("pid", 0)), 0)  # signal 0 only asks whether the process exists
-        except ProcessLookupError:
-            return True
-        except (PermissionError, ValueError):  # it exists under another user, or there is no pid
-            pass
-        return False
 
     def write(self, **progress):
         with self.lock:
@@ -197,8 +185,7 @@ class Metrics:
 
 
 def read_records(storage, name: str) -> list[dict]:
-    """Every record of metrics/<name>*.jsonl in time order. For the trainer, a step that was redone after a
-    crash has several records: the last one is the surviving one (latest_per_step)."""
+    """Every record of metrics/<name>*.jsonl in time order (a redone step has several: see latest_per_step)."""
     files = [f for f in storage.list("metrics") if f.startswith(name) and f.endswith(".jsonl")]
     lines = [line for f in files for line in storage.get(f"metrics/{f}").decode().splitlines() if line]
     return sorted(map(json.loads, lines), key=lambda r: r.get("time", 0))

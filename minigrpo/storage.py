@@ -1,12 +1,7 @@
-"""The run directory's storage: every read and write of RUN goes through this module.
-
-RUN is a local path or an fsspec URL (s3://, gs://, hf://buckets/, memory:// for tests). Object stores have no
-rename, no append and no atomic directory, so the protocol needs only what every store does atomically: put a
-whole object, get a whole object, list a prefix (a listing may lag a put), delete. On a local disk put() writes
-a hidden temp file, fsyncs it and os.replace()s it, and get() reads only regular files, so a hostile entry in
-the run directory can neither hang a reader nor point it outside the run. Any failure of the store itself (disk
-full, permission denied, a bucket's 403 or 5xx after the backend's retries) is an OSError whose message names
-the object; the scripts turn it into one line and exit code 1.
+"""The run directory's storage: every read and write of RUN (a folder or an fsspec URL) goes through this module,
+whole objects only (README: The run directory). On a local disk put() writes a hidden temp file, fsyncs it and
+os.replace()s it, and get() reads only regular files, so a hostile entry in the run directory can neither hang a
+reader nor point it outside the run. Any failure of the store is an OSError naming the object.
 """
 import contextlib
 import glob
@@ -24,14 +19,12 @@ class Storage:
         try:
             self.fs, root = fsspec.core.url_to_fs(url, use_listings_cache=False)
         except ImportError as e:  # s3fs or gcsfs not installed
-            raise SystemExit(f"--run_dir {url} needs an optional package: pip install -r requirements-storage.txt "
-                             f"({e})") from e
+            raise SystemExit(f"--run_dir {url} needs: pip install -r requirements-storage.txt ({e})") from e
         self.local = isinstance(self.fs, LocalFileSystem)
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
         self.poll_s = 0.02 if self.local else 0.2  # how often to look again while waiting: listings cost a request
 
     def url(self, key: str = "") -> str:
-        """The full address of an object or prefix, as a local path or a URL (what a server or a log needs)."""
         path = f"{self.root}/{key}".rstrip("/")
         return path if self.local else self.fs.unstrip_protocol(path)
 
@@ -46,30 +39,28 @@ class Storage:
 
     def put(self, key: str, data: bytes | str):
         """Write one whole object; readers see the old one or the new one, never half."""
-        data = data.encode() if isinstance(data, str) else data
-        path = f"{self.root}/{key}"
-        with self._naming("write", key):
-            if not self.local:
-                return self.fs.pipe_file(path, data)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
+        self.put_many({key: data})
 
-    def put_many(self, objects: "dict[str, bytes]"):
+    def put_many(self, objects: "dict[str, bytes | str]"):
         """put() of several objects, concurrently on a bucket."""
+        objects = {key: data.encode() if isinstance(data, str) else data for key, data in objects.items()}
         if not self.local:
             with self._naming("write", next(iter(objects), "")):
                 return self.fs.pipe({f"{self.root}/{k}": v for k, v in objects.items()})
         for key, data in objects.items():
-            self.put(key, data)
+            folder, name = os.path.split(f"{self.root}/{key}")
+            tmp = f"{folder}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
+            with self._naming("write", key):
+                os.makedirs(folder, exist_ok=True)
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, f"{folder}/{name}")
+                finally:
+                    if os.path.exists(tmp):
+                        os.remove(tmp)
 
     def get(self, key: str) -> bytes:
         """Read one whole object: FileNotFoundError if absent, ValueError for a local symlink, FIFO or device."""
@@ -102,7 +93,7 @@ class Storage:
             return self.fs.exists(f"{self.root}/{key}")
 
     def list(self, prefix: str) -> list[str]:
-        """Sorted names directly under a prefix (objects and sub-prefixes; local temp files left out)."""
+        """Sorted names directly under a prefix (a bucket's listing may lag a put; local temp files left out)."""
         path = f"{self.root}/{prefix}".rstrip("/")
         with self._naming("list", prefix):
             try:  # a local listing through os is ten times cheaper than through fsspec

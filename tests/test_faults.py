@@ -165,7 +165,7 @@ def test_generators_killed_mid_write_never_leave_a_partial_group(tmp_path):
             g.wait()
         for name in store.storage.list("rollouts"):  # every visible group is whole and valid
             gid = name.removesuffix(".safetensors")
-            assert len(read_group(store.storage.get(f"rollouts/{name}"), gid)) == 8
+            assert len(read_group(store.storage.get(f"rollouts/{name}"), gid).completion_ids) == 8
     assert len(writers()) == 4 and {w.split("-")[0] for w in writers()} == {"g0", "g1"}  # a new name every life
 
 
