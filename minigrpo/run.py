@@ -114,11 +114,13 @@ def join_run(storage, settings: RunSettings, timeout_s: float = 600.0) -> dict:
 
 def dead_here(lease: dict) -> bool:
     """A killed trainer on this same host: its lease can be taken at once (a restart after SIGKILL)."""
+    if lease.get("host") != socket.gethostname():
+        return False
     try:
         os.kill(int(lease.get("pid", 0)), 0)  # signal 0 only asks whether the process exists
     except ProcessLookupError:
-        return lease.get("host") == socket.gethostname()
-    except (PermissionError, ValueError):  # it exists under another user, or there is no pid
+        return True
+    except (PermissionError, ValueError, TypeError, OverflowError):  # another user's process, or no usable pid
         pass
     return False
 

@@ -5,6 +5,8 @@ quarantine of hostile files, adapter versions, checkpoints, run.json, the lease 
 """
 import json
 import os
+import socket
+import subprocess
 import time
 import uuid
 
@@ -300,7 +302,7 @@ def test_a_damaged_or_missing_run_json_is_one_clear_line(storage):
 def test_a_second_trainer_is_refused_and_an_expired_lease_is_taken_over(storage):
     Lease(storage, timeout_s=5).write()  # a live owner elsewhere, just now
     owner = json.loads(storage.get("owner.json"))
-    with pytest.raises(SystemExit, match=f"owned by trainer {owner['owner']} .*heartbeat 0s ago"):
+    with pytest.raises(SystemExit, match=f"owned by trainer {owner['owner']} .*heartbeat [0-9]s ago"):
         Lease(storage, timeout_s=5).acquire()
     storage.put("owner.json", json.dumps(owner | {"host": "elsewhere", "heartbeat": time.time() - 10}))
     lease = Lease(storage, timeout_s=5)
@@ -347,3 +349,13 @@ def test_a_ledger_in_the_older_range_format_is_refused_not_misread():
     with pytest.raises(SystemExit, match="older minigrpo"):
         Ledger({"collect": {"g": [[0, 3]]}, "consumed": {}})
     assert Ledger({"collect": None, "consumed": {}}).skip == set()  # nothing recorded, in either format
+
+
+def test_a_lease_is_free_at_once_only_when_its_owner_died_on_this_host():
+    from minigrpo.run import dead_here
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no process holds now
+    here = socket.gethostname()
+    assert dead_here({"host": here, "pid": gone.pid})
+    assert not dead_here({"host": here, "pid": os.getpid()}) and not dead_here({"host": "elsewhere", "pid": gone.pid})
+    assert not any(dead_here({"host": here, "pid": bad}) for bad in ("x", None, 10**30, [1]))
