@@ -9,7 +9,9 @@ behind. The step is also timed. The arms alternate, 3 processes each.
 
     python bench/bench_logprobs_memory.py  # Linux (/proc); hours on a CPU without bf16 matrix instructions, where
                                            # a bf16 matmul with a 151,936-long reduction runs at ~0.5 GFLOP/s
-    python bench/bench_logprobs_memory.py 256 float32   # 2 x 256 tokens in float32: ~10 minutes on 2 cores
+    python bench/bench_logprobs_memory.py 256 float32   # 2 x 256 tokens in float32: ~5 minutes on 2 cores
+    python bench/bench_logprobs_memory.py 1024 float32  # 2 x 1024 tokens in float32: ~10 minutes, 8 GB of memory
+Each setting writes bench/results/logprobs_memory_<tokens>_<dtype>.json.
 """
 import json
 import statistics
@@ -84,7 +86,7 @@ if __name__ == "__main__":
                      "growth_gb_mean": statistics.mean(r["growth_bytes"] for r in rs) / 1e9,
                      "step_s_mean": statistics.mean(t), "step_s_sd": statistics.stdev(t)})
     ratios = [n["step_s"] / o["step_s"] for o, n in zip(runs["full logits"], runs["chunked head"])]
-    report("logprobs_memory", rows, f"{B} x {L} tokens, {dtype}: peak memory growth of forward+backward in units of "
+    report(f"logprobs_memory_{L}_{dtype}", rows, f"{B} x {L} tokens, {dtype}: peak memory growth of forward+backward in units of "
            f"one {dtype} logits tensor ({logits_bytes / 1e9:.2f} GB), {REPEATS} fresh processes per arm, alternating (target <= 1.5x); time "
            f"chunked/full per pair: {statistics.mean(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f}; "
            f"target <= 1.2)")
