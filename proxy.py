@@ -30,7 +30,8 @@ class ProxyConfig(P.ServerConfig):
     api_key: str = field(default="", metadata={"help": "clients must send 'Authorization: Bearer KEY' (or env MINIGRPO_API_KEY)"})
     no_auth: bool = field(default=False, metadata={"help": "run without a client key (only on a trusted network)"})
     upstream_token: str = field(default="", metadata={"help": "bearer token sent to the replicas (default: env HF_TOKEN)"})
-    imbalance: int = field(default=8, metadata={"help": "affinity only while a replica is at most this many requests ahead"})
+    imbalance: int = field(default=32, metadata={"help": "affinity only while a replica is at most this many requests "
+                                                     "ahead of the least loaded (about 2G for G completions a prompt)"})
     load_timeout_s: float = field(default=300.0, metadata={"help": "keep retrying 'No adapter found' this long"})
     retry_s: float = field(default=2.0, metadata={"help": "interval between those retries"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "a replica that takes longer gets a 504"})
