@@ -1,6 +1,6 @@
 """generate.py: the generation side of minigrpo. Samples G completions per prompt with the adapter named by
-RUN/adapters/LATEST, scores them and writes each group, whole, into RUN/rollouts/ (README: The algorithm, step by
-step). It shares nothing with the trainer but the run directory: start as many generators as you like, anywhere.
+RUN/adapters/LATEST, scores them and writes each group, whole, into RUN/rollouts/ (README, "The algorithm, step by
+step"). It shares nothing with the trainer but the run directory: start as many generators as you like, anywhere.
 
     python generate.py & python train.py                                  # the demo, one CPU machine
     python generate.py --run_dir s3://bucket/run1 --device cuda:0         # one generator per GPU, any machine

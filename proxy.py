@@ -5,7 +5,7 @@
     python generate.py --engine http --url http://127.0.0.1:8000 --api_key KEY & python train.py
 
 Completions go to one replica by KV-prefix affinity (minigrpo/router.py), adapter loads to every replica, all or
-nothing (README.md, "Many replicas", has the rule for each route). Clients' keys are never passed on: replicas get
+nothing (README, "Many replicas", has the rule for each route). Clients' keys are never passed on: replicas get
 --upstream_token (or HF_TOKEN). Answers are buffered whole: no streaming, which RL rollouts do not need.
 """
 import asyncio

@@ -1,7 +1,7 @@
 """The rollout record and buffer: the only data that flows from generators to the trainer. One group (G completions
 of one prompt, all sampled with one adapter version) is one safetensors object, RUN/rollouts/<writer>-<seq>.safetensors,
 written once and never moved: tensors for the ids and log-probs, string metadata for the rest. Also here: the
-trainer's Ledger of consumed groups, quarantine and garbage collection (README: The run directory).
+trainer's Ledger of consumed groups, quarantine and garbage collection (README, "The run directory").
 """
 import itertools
 import json

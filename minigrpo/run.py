@@ -41,7 +41,7 @@ class RunSettings:
         return trainer_version - policy_version <= self.max_staleness
 
 
-# Recipes as flags (README: Real models). Each script applies the flags its own config has; later flags win.
+# Recipes as flags (README, "Real models"). Each script applies the flags its own config has; later flags win.
 PRESETS = {"qwen-math-1.5b": dict(  # the blog's run: Dr. GRPO with truncated IS at 2 (the oat / "off-policy RL" recipe)
     model="Qwen/Qwen2.5-Math-1.5B", task="math", lora_r=1, lora_alpha=2, group_size=8, max_new_tokens=3000,
     temperature=1.0, lr=4e-5, groups_per_step=16, max_staleness=4, sync_every=4, loss_type="dr_grpo",
@@ -126,7 +126,7 @@ def dead_here(lease: dict) -> bool:
 
 
 class Lease:
-    """owner.json, the trainer's lease (README: The run directory); generators read its progress for backpressure."""
+    """owner.json, the trainer's lease (README, "The run directory"); generators read its progress for backpressure."""
 
     def __init__(self, storage, timeout_s: float = 60.0):
         self.storage, self.timeout_s, self.lock, self.stop = storage, timeout_s, threading.Lock(), threading.Event()

@@ -4,7 +4,7 @@
     python -m minigrpo.serve --model Qwen/Qwen2.5-0.5B --device cuda --port 8001 --api_key KEY
 
 It answers like `vllm serve --enable-lora --logprobs-mode processed_logprobs` with VLLM_SERVER_DEV_MODE=1 and
-VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (README.md, "Many replicas", lists what a client gets). A field vLLM would
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (README, "Many replicas", lists what a client gets). A field vLLM would
 ignore, or one not implemented here, is refused by name: nothing is silently ignored.
 """
 import asyncio
