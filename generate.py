@@ -68,7 +68,8 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
 
 
 def waiting_groups(buffer: RolloutBuffer, mine: list) -> int:
-    """Groups not consumed yet: a live lease's count plus what this generator wrote since, else a listing's."""
+    """Groups not consumed yet: what a live trainer saw waiting at `waiting_at` (its lease) plus what this generator
+    wrote since; without a live lease, the listing of rollouts/ less what the trainer consumed but not deleted."""
     lease = read_json(buffer.storage, "owner.json") or {}
     if "waiting" not in lease or time.time() - lease["heartbeat"] > lease["timeout_s"]:
         return len(buffer.listed()) - lease.get("pending", 0)
@@ -128,11 +129,12 @@ def main():
         completions = engine.generate(prompts, sampling)
         gen_s = time.time() - started
         rewards = score(task, tokenizer, problems, completions)
-        written += len(buffer.write([Group(
+        groups = [Group(
             prompt_ids=prompt, completion_ids=[c.token_ids for c in group], behavior_logprobs=[c.logprobs for c in group],
             rewards=r, truncated=[c.finish_reason == "length" for c in group], policy_version=version,
             temperature=run.temperature, adapter_digest=group[0].adapter_digest, started_at=started,
-            finished_at=time.time()) for prompt, group, r in zip(prompts, completions, rewards)], writer, seq=written))
+            finished_at=time.time()) for prompt, group, r in zip(prompts, completions, rewards)]
+        written += len(buffer.write(groups, writer, seq=written))
         mine.append((time.time(), len(prompts)))
         batch += 1
 

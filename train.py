@@ -55,7 +55,7 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
     save_every: int = field(default=25, metadata={"help": "checkpoint every N steps (resume point)"})
     eval_every: int = field(default=50, metadata={"help": "pass@1 on the held-out set every N steps, and at step 0"})
     eval_size: int = field(default=400, metadata={"help": "held-out problems per evaluation"})
-    micro_batch_tokens: int = field(default=4096, metadata={"help": "padded tokens per forward/backward micro-batch"})
+    micro_batch_tokens: int = field(default=4096, metadata={"help": "packed tokens per forward/backward micro-batch"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward: less memory"})
     seed: int = field(default=0, metadata={"help": "seed for the LoRA init and the evaluation samples"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
@@ -136,7 +136,8 @@ def micro_batches(samples, budget: int):
     for s in sorted(samples, key=lambda s: -len(s.ids)):
         i = next((i for i, size in enumerate(sizes) if size + len(s.ids) <= budget), len(batches))
         if i == len(batches):
-            batches.append([]), sizes.append(0)
+            batches.append([])
+            sizes.append(0)
         batches[i].append(s)
         sizes[i] += len(s.ids)
     return batches
@@ -176,7 +177,8 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
             with torch.no_grad(), lora_disabled(model):
                 batch.ref = packed_logprobs(model, *inputs, run.temperature)[0]
         logp, entropy = packed_logprobs(model, *inputs, run.temperature)  # (b, L-1) each
-        if cfg.old_logp == "recompute":  # pi_old: the weights before this step's update, i.e. these
+        if cfg.old_logp == "recompute":  # pi_old: the weights before this step's update, i.e. these, so the
+            # ratio is 1 and the clip never acts: the truncated IS weight pi_old / mu is the off-policy control
             batch.old = logp.detach()
         loss, m = grpo_loss(logp, batch, cfg, run.max_new_tokens)
         loss.backward()
@@ -229,7 +231,7 @@ def reduce(params, parts: list[dict], loss_sum: float, world: int):
 
 
 def evaluate(engine, tokenizer, task, problems, run, seed) -> float:
-    """pass@1 at the run's temperature on a fixed held-out set: problem i is sampled with seed + i, the same
+    """pass@1 at the run's temperature on a fixed held-out set: problem i has its own seed, the same
     draws at every evaluation, so successive evaluations differ only by the weights."""
     prompts = [prompt_ids(tokenizer, p.prompt, run.system_prompt) for p in problems]
     params = [SamplingParams(max_tokens=run.max_new_tokens, temperature=run.temperature, seed=seed * 1_000_003 + i)
@@ -352,6 +354,7 @@ def main():
         if step % cfg.sync_every == 0:
             version += 1
             sync_s = publish(store, model, version, peft_config, run, step)
+        # the record's version is the one this step just published; staleness was measured before it
         record = step_record(step, version, groups, staleness, rewards, lengths, m, stats, run)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             record["eval/accuracy"] = evaluate(engine, tokenizer, task, eval_problems, run, cfg.seed)

@@ -1,9 +1,9 @@
 """The GRPO family of losses as pure functions of tensors.
 
     A_i    = (r_i - mean_g r) / (std_g r + eps)          group-normalised advantage (unbiased std; 0 if std = 0)
-    rho    = pi_theta / pi_old                          policy ratio, per token
+    ratio  = pi_theta / pi_old                          policy ratio, per token
     w      = min(pi_old / mu, tis_cap)                  truncated importance weight (1 when pi_old is mu)
-    l_t    = -w * min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)  +  beta * k3(pi_theta || pi_ref)
+    l_t    = -w * min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A)  +  beta * k3(pi_theta || pi_ref)
 
 and the per-token losses l are summed over valid tokens and divided by a normaliser that depends on loss_type:
     grpo     1/B sum_i (sum_t l_it / |o_i|)      sequence mean of token means          (DeepSeekMath)
@@ -54,13 +54,13 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> tor
 
 def is_weights(old_logp, behav_logp, mask, cap: float, mode: str = "token_truncate"):
     """Importance weight pi_old / mu per token (B, T), capped ("truncate") or zeroed above the cap ("mask"),
-    per token or per sequence (rho_seq = exp sum_t (log pi_old - log mu)). Returns (w, rho) without gradient."""
-    log_rho = (old_logp - behav_logp).detach() * mask  # (B, T)
+    per token or per sequence (exp sum_t (log pi_old - log mu)). Returns (w, pi_old / mu) without gradient."""
+    log_is = (old_logp - behav_logp).detach() * mask  # (B, T)
     if mode.startswith("seq"):
-        log_rho = log_rho.sum(1, keepdim=True).expand_as(log_rho)  # (B, T), one value per sequence
-    rho = torch.exp(log_rho)
-    w = rho.clamp(max=cap) if mode.endswith("truncate") else rho * (rho <= cap)
-    return w, rho
+        log_is = log_is.sum(1, keepdim=True).expand_as(log_is)  # (B, T), one value per sequence
+    is_ratio = torch.exp(log_is)
+    w = is_ratio.clamp(max=cap) if mode.endswith("truncate") else is_ratio * (is_ratio <= cap)
+    return w, is_ratio
 
 
 @dataclass
@@ -107,7 +107,7 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
     surrogate = torch.min(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)  # (B, T)
     w = torch.ones_like(logp)
     if cfg.tis_cap is not None:
-        w, rho = is_weights(old_logp, behav_logp, mask, cfg.tis_cap, cfg.is_mode)
+        w, is_ratio = is_weights(old_logp, behav_logp, mask, cfg.tis_cap, cfg.is_mode)
     per_token = -w * surrogate  # (B, T)
     if cfg.beta > 0:
         delta = ((batch.ref.detach() - logp) * mask).clamp(-40, 40)  # (B, T)
@@ -133,8 +133,8 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
                    "clip_ratio/high": ((r > 1 + cfg.eps_high) & (A_tok > 0)).float().mean().item(),
                    "kl": ((r - 1) - torch.log(r)).mean().item()}  # k3 of KL(mu || pi_theta) when old is mu
         if cfg.tis_cap is not None:
-            metrics |= {"is/mean": rho[valid].mean().item(),
-                        "is/frac_capped": (rho[valid] > cfg.tis_cap).float().mean().item()}
+            metrics |= {"is/mean": is_ratio[valid].mean().item(),
+                        "is/frac_capped": (is_ratio[valid] > cfg.tis_cap).float().mean().item()}
         metrics |= health(logp[valid] - behav_logp[valid])
     return loss, metrics
 

@@ -104,7 +104,7 @@ class Ledger:
 
     def state(self) -> dict:
         """What the next checkpoint records; after it is complete, call advance()."""
-        return {"collect": sorted(self.consumed), "consumed": sorted(self.taken)}
+        return {"collect": sorted(self.consumed), "consumed": sorted(self.taken)}  # the sets as advance() leaves them
 
     def advance(self):
         self.collect, self.consumed, self.taken = self.consumed, self.taken, set()

@@ -3,7 +3,7 @@
 reverse_add, the demo task: "12+34=" -> "64", the sum 46 written backwards: the digits in reverse order make the
 carry local, so a 2-layer model can learn it. math: problems from --task_data (README, "Real models"); the reward
 is 1 when the last \\boxed{...} (after the one </think> of a reasoning model) equals the reference, compared
-after normalising (spacing, \\left/\\right, \\dfrac, \\text{}, degrees, numbers), else by math-verify if installed.
+after normalising (spacing, \\left/\\right, \\dfrac, \\text{}, degrees, numbers), else by math-verify.
 """
 import json
 import math
