@@ -58,7 +58,8 @@ class Proxy:
     async def send(self, i: int, request: web.Request, path: str | None = None, method: str | None = None,
                    body: bytes | None = None) -> Answer:
         """The client's request to replica i (or, with `path`, one of the proxy's own), less P.HOP_HEADERS."""
-        url, body = self.upstreams[i] + (path or request.path), body if path else await request.read()
+        url = self.upstreams[i] + (path or request.path)
+        body = body if path else await request.read()  # the proxy's own body, or the client's
         self.inflight[i] += 1
         try:
             async with self.session.request(method or request.method, url, params=request.query, data=body,

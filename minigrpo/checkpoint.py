@@ -30,7 +30,8 @@ def prune_checkpoints(storage):
     """Keep the newest two complete checkpoints (and anything newer, e.g. one being written)."""
     steps = [s for s in storage.list("checkpoints") if NAME.match(s)]
     complete = [s for s in steps if storage.exists(f"checkpoints/{s}/MANIFEST")]
-    storage.delete([f"checkpoints/{s}" for s in steps if complete and s < complete[-2:][0]], recursive=True)
+    oldest_kept = complete[-2:][0] if complete else ""  # names are zero-padded: they sort by step
+    storage.delete([f"checkpoints/{s}" for s in steps if s < oldest_kept], recursive=True)
 
 
 def load_checkpoint(storage, model, optimizer) -> tuple[dict | None, list[str]]:

@@ -179,7 +179,7 @@ class TorchEngine:
         out = []
         for r, ((_, sp, _), n) in enumerate(zip(rows, torch.stack(alive, 1).sum(1).tolist())):
             top = [dict(zip(tops[t].indices[r].tolist(), tops[t].values[r].tolist())) for t in range(n)] if k else None
-            last = tokens[r][n - 1]  # a row that stopped ended on a stop id, or on a stop string
+            last = tokens[r][n - 1]  # a row that stopped ended on a stop id or a stop string ("abort": scheduler.py)
             finish = "stop" if last in stop_ids[r] or r in texts.reason else "length"
             reason = texts.reason.get(r, last if last in sp.stop_token_ids else None)
             out.append(Completion(tokens[r][:n], logps[r][:n], finish, top, reason, texts.text.get(r), self.digest))

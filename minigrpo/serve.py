@@ -70,8 +70,9 @@ def checked(body: dict, key: str, default, ok, rule: str):
 def number(body: dict, key: str, default, lo=-math.inf, hi=math.inf, open_lo=False, integer=False):
     """A number in [lo, hi], or in (lo, hi] with open_lo; an integer one refuses floats and booleans."""
     kind = "an integer" if integer else "a finite number"
-    ok = lambda v: (type(v) is int if integer else type(v) in (int, float) and math.isfinite(v)) and (
-        lo < v if open_lo else lo <= v) and v <= hi
+    def ok(v):
+        right_type = type(v) is int if integer else (type(v) in (int, float) and math.isfinite(v))
+        return right_type and (lo < v if open_lo else lo <= v) and v <= hi
     return checked(body, key, default, ok, f"be {kind} in {'(' if open_lo else '['}{lo}, {hi}]")
 
 
@@ -85,7 +86,8 @@ class Server:
             raise SystemExit(f"--max_lora_rank must be one of {MAX_LORA_RANKS}, got {cfg.max_lora_rank}")
         self.cfg, self.name = cfg, cfg.model
         self.model, self.tokenizer = load_model(cfg.model, pick_device(cfg.device), cfg.dtype)
-        inject_lora(self.model, cfg.max_lora_rank, cfg.max_lora_rank, DEFAULT_TARGETS)  # served at rank <= max
+        # served at rank <= max; the alpha here is a placeholder, since each adapter brings its own scaling
+        inject_lora(self.model, cfg.max_lora_rank, cfg.max_lora_rank, DEFAULT_TARGETS)
         self.decode = lambda ids, skip=True: self.tokenizer.decode(ids, skip_special_tokens=skip)
         engine = TorchEngine(self.model, stop_token_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
                              cfg.seed, self.decode)

@@ -107,7 +107,8 @@ class Storage:
         """Delete an object, a list of them, or with recursive everything under a prefix; what is gone is fine."""
         keys = [key] if isinstance(key, str) else key
         # one bulk request on a bucket; on a local disk one by one, since rm stops at the first missing file
-        for batch in ([[k] for k in keys] if self.local else [keys] if keys else []):
+        batches = [[k] for k in keys] if self.local else [keys] if keys else []
+        for batch in batches:
             with self._naming("delete", batch[0]), contextlib.suppress(FileNotFoundError):
                 self.fs.rm([f"{self.root}/{k}" for k in batch], recursive=recursive)
 
