@@ -199,7 +199,9 @@ class StopStrings:
 
     def check(self, tokens, ended: torch.Tensor, t: int) -> torch.Tensor:  # (B,) rows now holding a stop string
         hit = torch.zeros_like(ended)
-        ended, ids = ended.tolist(), (torch.stack(tokens, 1).tolist() if self.rows else None)  # (B, t+1)
+        if not self.rows:  # nothing to decode: no copy to the host in the sampling loop
+            return hit
+        ended, ids = ended.tolist(), torch.stack(tokens, 1).tolist()  # (B, t+1)
         for r, sp in self.rows.items():
             if ended[r]:
                 continue
