@@ -47,7 +47,7 @@ class GenerateConfig:
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
     dtype: str = field(default="float32", metadata={"help": "model weights: float32 | bfloat16 | float16"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the trainer)"})
-    poll_s: float = field(default=0.05, metadata={"help": "how often to look at LATEST, rollouts/ and DONE while waiting"})
+    poll_s: float = field(default=0.02, metadata={"help": "how often to look at LATEST, rollouts/ and DONE while waiting"})
     max_batches: int = field(default=0, metadata={"help": "stop after this many batches (0: until DONE)"})
     lockstep: bool = field(default=False, metadata={"help": "synchronous GRPO, for comparison: wait for each adapter"})
 

@@ -130,38 +130,54 @@ def build_samples(groups, run, cfg):
 
 
 def micro_batches(samples, budget: int):
-    """First-fit decreasing: longest first, each sample into the first micro-batch it fits in, so a micro-batch
-    holds at most `budget` tokens (a longer sample gets one of its own). Packed, so nothing is padded."""
+    """Samples with one prompt share one copy of it in a row (collate): a unit is a prompt and as many of its
+    completions as fit in `budget` tokens. First-fit decreasing: largest unit first, each into the first micro-batch
+    with room, so a micro-batch holds at most `budget` tokens (a larger unit gets one of its own). Nothing is padded."""
+    by_prompt, units = {}, []
+    for s in samples:
+        by_prompt.setdefault(tuple(s.ids[:s.prompt_len]), []).append(s)
+    for prompt, group in by_prompt.items():
+        unit, size = [], len(prompt)
+        for s in sorted(group, key=lambda s: -len(s.ids)):
+            if unit and size + len(s.ids) - s.prompt_len > budget:
+                units.append((size, unit))
+                unit, size = [], len(prompt)
+            unit.append(s)
+            size += len(s.ids) - s.prompt_len
+        units.append((size, unit))
     batches, sizes = [], []
-    for s in sorted(samples, key=lambda s: -len(s.ids)):
-        i = next((i for i, size in enumerate(sizes) if size + len(s.ids) <= budget), len(batches))
+    for size, unit in sorted(units, key=lambda u: -u[0]):
+        i = next((i for i, used in enumerate(sizes) if used + size <= budget), len(batches))
         if i == len(batches):
             batches.append([])
             sizes.append(0)
-        batches[i].append(s)
-        sizes[i] += len(s.ids)
+        batches[i] += unit
+        sizes[i] += size
     return batches
 
 
 def collate(samples, device, num_seqs=None, num_tokens=None):
-    """One packed row: the samples one after another, ids (1, N), with position ids (1, N) restarting at 0 at
-    each sample so the model attends within each one only (model.packed_logprobs). The row's N-1 shifted
-    log-probs go back to one row per sample through `where` (B, L-1); the Batch's mask and behaviour log-probs
-    are (B, L-1) too. Places past a sample's end point at 0, under mask 0. Returns ((ids, pos, where), Batch)."""
-    B, L = len(samples), max(len(s.ids) for s in samples)
-    ids = torch.tensor([t for s in samples for t in s.ids])[None]  # (1, N)
-    pos = torch.cat([torch.arange(len(s.ids)) for s in samples])[None]  # (1, N)
-    where = torch.zeros(B, L - 1, dtype=torch.long)
-    mask, behav, start = torch.zeros(B, L - 1), torch.zeros(B, L - 1), 0
+    """One packed row (1, N) of token ids and position ids: each prompt once (positions 0..P-1), then each of its
+    completions in turn, every one at positions P, P+1, ... so that it attends to the prompt and to itself only
+    (model.packed_attention). Per completion token (B, T): `where` is the row index whose hidden state predicts it
+    (the prompt's last token for the first one) and `targets` the token, -1 past the end. The Batch's mask and
+    behaviour log-probs are (B, T) too. Returns ((ids, pos, where, targets), Batch)."""
+    B, T = len(samples), max(len(s.behav) for s in samples)
+    ids, pos, prompt = [], [], None
+    where, targets = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
+    mask, behav = torch.zeros(B, T), torch.zeros(B, T)
     for i, s in enumerate(samples):
-        n, P = len(s.ids), s.prompt_len
-        where[i, :n - 1] = torch.arange(start, start + n - 1)  # the row's logp[j] scores its token j + 1
-        mask[i, P - 1:n - 1] = 1  # completion tokens P..n-1 are scored at P-1..n-2
-        behav[i, P - 1:n - 1] = torch.tensor(s.behav)
-        start += n
+        P, completion = s.prompt_len, s.ids[s.prompt_len:]
+        if s.ids[:P] != prompt:  # a new prompt; samples of one prompt come together (micro_batches)
+            prompt, last = s.ids[:P], len(ids) + P - 1
+            ids, pos = ids + prompt, pos + list(range(P))
+        n = len(completion)
+        where[i, :n] = torch.tensor([last] + list(range(len(ids), len(ids) + n - 1)))[:n]
+        targets[i, :n], mask[i, :n], behav[i, :n] = torch.tensor(completion), 1, torch.tensor(s.behav)
+        ids, pos = ids + completion, pos + list(range(P, P + n))
     adv = torch.tensor([s.adv for s in samples])
     batch = Batch(behav.to(device), adv.to(device), mask.to(device), num_seqs=num_seqs, num_tokens=num_tokens)
-    return (ids.to(device), pos.to(device), where.to(device)), batch
+    return tuple(t.to(device) for t in (torch.tensor([ids]), torch.tensor([pos]), where, targets)), batch
 
 
 def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
@@ -346,6 +362,7 @@ def main():
         validate = partial(check_group, run=meta, vocab_size=model.config.vocab_size, version=version,
                            digest_of=store.digest)
         groups, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, stats)
+        report_progress(lease, ledger, buffer, step=step, version=version)  # now: the generators may fill the room
         staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains
         samples, rewards, lengths = build_samples(groups, run, cfg)
         t1 = time.time()
@@ -376,7 +393,6 @@ def main():
             ledger.advance()
             buffer.collect(ledger.collect, fault_step=step)  # now covered by both kept checkpoints
             prune_checkpoints(storage)
-        report_progress(lease, ledger, buffer, step=step, version=version)
 
     storage.put("DONE", f"finished at step {step}, version {version}\n")
     buffer.collect(ledger.consumed)  # nothing resumes a finished run: what the last checkpoint covers can go

@@ -139,10 +139,12 @@ class TorchEngine:
         """Sample params.n completions for each prompt (token ids), all in one batch; params may differ per prompt."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         rows = [(p, sp, i) for p, sp in zip(prompts, params) for i in range(sp.n)]  # prompt-major, as vLLM orders
-        B, L = len(rows), max(len(p) for p, _, _ in rows)  # left-pad: every row's next token is in the last column
-        ids = torch.tensor([[self.pad_id] * (L - len(p)) + list(p) for p, _, _ in rows], device=self.device)  # (B, L)
-        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p, _, _ in rows], device=self.device)  # (B, L)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L) positions ignore the padding
+        unique = {}  # each distinct prompt is prefilled once; its rows start from copies of its KV cache
+        src = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p, _, _ in rows], device=self.device)  # (B,)
+        B, L = len(rows), max(map(len, unique))  # left-pad: every row's next token is in the last column
+        ids = torch.tensor([[self.pad_id] * (L - len(p)) + list(p) for p in unique], device=self.device)  # (U, L)
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in unique], device=self.device)  # (U, L)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (U, L) positions ignore the padding
         noisy = per_row(rows, "temperature", self.device)[:, None] > 0  # (B, 1) temperature 0: greedy, no noise
         limit = per_row(rows, "max_tokens", self.device, torch.long)
         stop_ids = [list(sp.stop_token_ids) + ([] if sp.ignore_eos else self.stop_ids) for _, sp, _ in rows]
@@ -152,7 +154,9 @@ class TorchEngine:
         k = max(sp.logprobs for _, sp, _ in rows)
         cache = DynamicCache()
 
-        logits = self._forward(ids, mask, pos, cache)  # (B, V)
+        logits = self._forward(ids, mask, pos, cache)[src]  # (B, V)
+        cache.reorder_cache(src)
+        ids, mask, pos = ids[src], mask[src], pos[src]  # (B, L)
         process = LogitProcessors(rows, ids, mask, stops, logits.shape[1], self.device)
         texts = StopStrings(rows, self.decode)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)

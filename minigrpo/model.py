@@ -15,19 +15,37 @@ DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_mode
 
 def packed_attention(module, query, key, value, attention_mask, position_ids=None, **kwargs):
     """transformers' SDPA attention, except on a packed row (no mask, position ids restarting at 0 at each sequence):
-    there each sequence attends causally to itself alone, the k sequences of one length L in one SDPA call, where a
-    block-diagonal mask would compute all N x N scores and discard most. flash_attention_2 does the same on GPUs."""
+    there each sequence attends causally to itself alone, the k runs of one length L in one SDPA call, where a
+    block-diagonal mask would compute all N x N scores and discard most. A run whose positions restart at q > 0 is
+    a branch: it attends to the first q tokens of its sequence, then causally to itself. So the G completions of a
+    prompt share one copy of it (train.collate), exactly: the prompt's states do not depend on what follows them,
+    and the gradient through them is the sum of the completions' gradients either way."""
     N = query.shape[2]  # query (1, heads, N, head_dim)
-    if attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != N:
+    if (attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != N
+            or position_ids[0, 0] != 0):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [N]
-    spans = list(zip(starts, starts[1:]))
+    pos, dev = position_ids[0], query.device
+    starts = [0] + ((pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1).tolist()
+    runs = {}  # run length L -> [(start, q, start of its sequence)]
+    for s, e, q in zip(starts, starts[1:] + [N], pos[starts].tolist()):
+        if q == 0:
+            seq, first = s, e - s  # a new sequence: its first run holds what its branches share
+        elif q > first:
+            raise ValueError(f"packed row: the run at token {s} shares {q} tokens, its sequence's first run has {first}")
+        runs.setdefault(e - s, []).append((s, q, seq))
+    rows = lambda x, i: x[0][:, i].transpose(0, 1)  # noqa: E731 (heads, N, d) -> (k, heads, len, d)
     out = query.new_empty(N, query.shape[1], value.shape[3])  # (N, heads, head_dim)
-    for L in sorted({e - s for s, e in spans}):
-        idx = torch.tensor([t for s, e in spans if e - s == L for t in range(s, e)], device=query.device)
-        rows = lambda x: x[0][:, idx].view(x.shape[1], -1, L, x.shape[3]).transpose(0, 1)  # noqa: E731 (k, h, L, d)
-        part = sdpa_attention_forward(module, rows(query), rows(key), rows(value), None, **kwargs)[0]  # (k, L, h, d)
-        out[idx] = part.flatten(0, 1)
+    for L, spans in runs.items():
+        s, q, seq = torch.tensor(spans, device=dev).T[..., None]  # (k, 1) each
+        idx, keys, mask, Q = s + torch.arange(L, device=dev), None, None, int(q.max())  # idx (k, L): the runs' tokens
+        if Q:  # the shared prefixes first, right-aligned: slot i holds prefix position i - (Q - q), < 0 is padding
+            prefix = torch.arange(Q, device=dev) - (Q - q)  # (k, Q)
+            keys = torch.cat([seq + prefix.clamp(min=0), idx], 1)  # (k, Q + L)
+            causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril().expand(len(s), L, L)
+            mask = torch.cat([(prefix >= 0)[:, None].expand(-1, L, -1), causal], 2)[:, None]  # (k, 1, L, Q + L)
+        keys = idx if keys is None else keys
+        part = sdpa_attention_forward(module, rows(query, idx), rows(key, keys), rows(value, keys), mask, **kwargs)[0]
+        out[idx.flatten()] = part.flatten(0, 1)  # part (k, L, heads, d)
     return out[None], None
 
 
@@ -124,22 +142,34 @@ class HeadLogprobs(torch.autograd.Function):
         return (grad_logp[:, None] * ctx.saved_tensors[0]).to(ctx.dtype), None, None, None
 
 
-def sequence_logprobs(model, input_ids, attention_mask, temperature: float, position_ids=None):
-    """log pi(x_t | x_<t), t >= 1, in float32 from logits / temperature, with gradient, and the entropy without:
-    (B, L-1) each, position t-1 predicting token t. input_ids (B, L) are right-padded with attention_mask, or
-    packed (no mask, position ids restarting at 0 at each sequence). The head must be a frozen bias-free nn.Linear."""
+def output_head(model) -> torch.nn.Linear:
     head = model.get_output_embeddings()
     trained = head.weight.requires_grad and torch.is_grad_enabled()
     if not isinstance(head, torch.nn.Linear) or head.bias is not None or trained:
-        raise ValueError(f"sequence_logprobs needs a frozen bias-free linear output head, got {head}")
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        raise ValueError(f"the log-probs need a frozen bias-free linear output head, got {head}")
+    return head
+
+
+def sequence_logprobs(model, input_ids, attention_mask, temperature: float):
+    """log pi(x_t | x_<t), t >= 1, in float32 from logits / temperature, with gradient, and the entropy without:
+    (B, L-1) each, position t-1 predicting token t. input_ids (B, L) are right-padded with attention_mask."""
+    head = output_head(model)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                               use_cache=False).last_hidden_state[:, :-1]  # (B, L-1, H)
     logp, entropy = HeadLogprobs.apply(hidden.flatten(0, 1), head.weight, input_ids[:, 1:].flatten(), temperature)
     return logp.view(hidden.shape[:2]), entropy.view(hidden.shape[:2])
 
 
-def packed_logprobs(model, ids, pos, where, temperature: float):
-    """sequence_logprobs of sequences packed in one row, ids and position ids (1, N), returned as one row per
-    sequence through where (B, L-1): index j of the row's N-1 shifted log-probs scores the row's token j + 1."""
-    logp, entropy = sequence_logprobs(model, ids, None, temperature, position_ids=pos)  # (1, N-1) each
-    return logp[0, where], entropy[0, where]  # (B, L-1) each
+def packed_logprobs(model, ids, pos, where, targets, temperature: float):
+    """The same for completions packed in one row (train.collate), ids and position ids (1, N): where (B, T) is the
+    row index whose hidden state predicts each completion token, targets (B, T) that token, -1 past the end. Only
+    those T-or-fewer rows per completion meet the output head, never the prompts'. (B, T) each, 0 past the end."""
+    if model.config._attn_implementation != PACKED_SDPA:
+        raise ValueError(f"packed rows need attn_implementation={PACKED_SDPA!r} (load_model sets it), the model has "
+                         f"{model.config._attn_implementation!r}")
+    head = output_head(model)
+    hidden = model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]  # (N, H)
+    valid = targets >= 0
+    logp, entropy = HeadLogprobs.apply(hidden[where[valid]], head.weight, targets[valid], temperature)
+    return (torch.zeros(where.shape, device=ids.device).index_put((valid,), logp),
+            torch.zeros(where.shape, device=ids.device).index_put((valid,), entropy))

@@ -3,6 +3,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from minigrpo.model import PACKED_SDPA
+
 torch.set_num_threads(1)
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -13,7 +15,8 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, vocab: int = 32):
     torch.manual_seed(seed)
     config = config_cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                        eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+                        eos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
+                        attn_implementation=PACKED_SDPA)  # as load_model sets it
     return model_cls(config).eval()
 
 

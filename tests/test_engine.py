@@ -105,6 +105,16 @@ def test_a_seeded_request_samples_the_same_alone_or_batched():
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
+def test_a_prompt_sent_twice_is_sampled_as_if_sent_once():  # distinct prompts are prefilled once, then copied
+    engine = engine_for(tiny_model())
+    once = engine.generate([PROMPTS[0]], SP(n=3, max_tokens=6, seed=7))[0]
+    twice = engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[0]], SP(n=3, max_tokens=6, seed=7))
+    for group in (twice[0], twice[2]):
+        assert [c.token_ids for c in group] == [c.token_ids for c in once]
+        for a, b in zip(group, once):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
 def test_each_request_keeps_its_own_limits_and_stops():
     model = tiny_model()
     engine = TorchEngine(model, stop_ids=[], pad_id=0)

@@ -9,22 +9,24 @@ import torch
 from conftest import tiny_model
 
 from minigrpo.lora import inject_lora, lora_layers
-from minigrpo.model import PACKED_SDPA, enable_checkpointing, packed_logprobs, sequence_logprobs
+from minigrpo.model import enable_checkpointing, packed_logprobs, sequence_logprobs
 from minigrpo.run import RunSettings
 from train import Sample, TrainConfig, collate, micro_batches, train_step
 
 
-def sequences(model, n=12, seed=0):
-    """Sequences whose behaviour log-probs are the model's own, as a generator at the same weights records them."""
+def sequences(model, n=12, G=4, seed=0):
+    """n completions of n / G prompts, with the model's own behaviour log-probs, as a generator at the same weights
+    records them. G=1: every sequence has a prompt of its own."""
     rng = random.Random(seed)
     seqs = []
     for i in range(n):
-        P, T = rng.randrange(2, 6), rng.randrange(1, 8)
-        ids = [rng.randrange(2, 32) for _ in range(P + T)]
+        if i % G == 0:
+            prompt = [rng.randrange(2, 32) for _ in range(rng.randrange(2, 6))]
+        ids = prompt + [rng.randrange(2, 32) for _ in range(rng.randrange(1, 8))]
         t = torch.tensor([ids])
         with torch.no_grad():
-            logp = sequence_logprobs(model, t, torch.ones_like(t), 1.0)[0][0, P - 1:].tolist()
-        seqs.append(Sample(ids, P, logp, 1.0 if i % 2 else -1.0))
+            logp = sequence_logprobs(model, t, torch.ones_like(t), 1.0)[0][0, len(prompt) - 1:].tolist()
+        seqs.append(Sample(ids, len(prompt), logp, 1.0 if i % 2 else -1.0))
     return seqs
 
 
@@ -43,13 +45,20 @@ def test_every_option_trains_and_starts_on_policy(options):
     assert any(not torch.equal(b, l.lora_B) for b, l in zip(before, lora_layers(model).values()))
 
 
+def row_tokens(mb):
+    """The length of a micro-batch's packed row: each prompt once, then every completion."""
+    return sum(len(p) for p in {tuple(s.ids[:s.prompt_len]) for s in mb}) + sum(len(s.ids) - s.prompt_len for s in mb)
+
+
 def test_micro_batches_cover_each_sequence_once_within_the_token_budget():
     rng = random.Random(0)
-    seqs = [Sample([0] * rng.randrange(5, 300), 1, [], 0.0) for _ in range(200)]
+    prompts = [[p] * rng.randrange(1, 40) for p in range(25)]
+    seqs = [Sample(p + [0] * rng.randrange(5, 300), len(p), [], 0.0) for p in prompts for _ in range(8)]
     batches = micro_batches(seqs, budget=1024)
     assert sorted(id(s) for mb in batches for s in mb) == sorted(id(s) for s in seqs)
-    assert all(sum(len(s.ids) for s in mb) <= 1024 for mb in batches)
-    assert len(batches) <= sum(len(s.ids) for s in seqs) // 1024 + 2, "first-fit decreasing leaves little room"
+    assert all(row_tokens(mb) <= 1024 for mb in batches)
+    assert sum(len({tuple(s.ids[:s.prompt_len]) for s in mb}) for mb in batches) < len(seqs) / 2, "prompts shared"
+    assert len(batches) <= 1.1 * sum(row_tokens(mb) for mb in batches) / 1024 + 1, "first-fit decreasing: little room"
     long = Sample([0] * 50, 1, [], 0.0)
     assert micro_batches([long], budget=16) == [[long]], "too long: a micro-batch of its own"
 
@@ -64,27 +73,41 @@ def lora_model(arch="qwen2"):
     return model
 
 
-@pytest.mark.parametrize("attention", ["sdpa", PACKED_SDPA])  # transformers' block-diagonal mask; ours, per sequence
-def test_packed_sequences_see_only_themselves(arch, attention):
-    model, seqs = lora_model(arch), sequences(tiny_model(), n=5)
-    model.set_attn_implementation(attention)
-    (ids, pos, where), batch = collate(seqs, torch.device("cpu"))
-    logp, entropy = packed_logprobs(model, ids, pos, where, 0.7)  # (5, L-1)
+@pytest.mark.parametrize("G", [1, 3])  # a prompt per sequence; prompts shared by 3 completions
+def test_packed_sequences_see_only_themselves(arch, G):
+    model, seqs = lora_model(arch), sequences(tiny_model(), n=6, G=G)
+    (ids, pos, where, targets), batch = collate(seqs, torch.device("cpu"))
+    assert ids.shape[1] == sum(len(s.ids) for s in seqs) - (G - 1) * sum(s.prompt_len for s in seqs[::G])
+    logp, entropy = packed_logprobs(model, ids, pos, where, targets, 0.7)  # (6, T)
     for i, s in enumerate(seqs):
         alone = torch.tensor([s.ids])
         a_logp, a_entropy = sequence_logprobs(model, alone, torch.ones_like(alone), 0.7)
-        n = len(s.ids) - 1
-        torch.testing.assert_close(logp[i, :n], a_logp[0], atol=1e-5, rtol=0)
-        torch.testing.assert_close(entropy[i, :n], a_entropy[0], atol=1e-5, rtol=0)
-    leaky, _ = sequence_logprobs(model, ids, None, 0.7, position_ids=torch.arange(ids.shape[1])[None])
-    assert (leaky[0, where] - logp).mul(batch.mask).abs().max() > 1e-3, "attending across sequences would show"
+        n = len(s.ids) - s.prompt_len
+        torch.testing.assert_close(logp[i, :n], a_logp[0, s.prompt_len - 1:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy[i, :n], a_entropy[0, s.prompt_len - 1:], atol=1e-5, rtol=0)
+        assert logp[i, n:].eq(0).all() and batch.mask[i].sum() == n
+    leaky, _ = packed_logprobs(model, ids, torch.arange(ids.shape[1])[None], where, targets, 0.7)
+    assert (leaky - logp).mul(batch.mask).abs().max() > 1e-3, "attending across sequences would show"
+
+
+def test_packed_rows_need_the_packed_attention():
+    model, seqs = lora_model(), sequences(tiny_model(), n=4)
+    model.set_attn_implementation("sdpa")  # would let the completions of a prompt see each other
+    with pytest.raises(ValueError, match="attn_implementation='minigrpo_packed_sdpa'"):
+        packed_logprobs(model, *collate(seqs, torch.device("cpu"))[0], 1.0)
+
+
+def test_a_branch_sharing_more_than_its_sequence_holds_is_refused():
+    model = lora_model()
+    ids, pos = torch.tensor([[3, 4, 5, 6]]), torch.tensor([[0, 1, 3, 4]])  # the run at token 2 claims 3 shared tokens
+    with pytest.raises(ValueError, match="the run at token 2 shares 3 tokens, its sequence's first run has 2"):
+        packed_logprobs(model, ids, pos, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), 1.0)
 
 
 def test_packed_step_equals_one_sequence_per_micro_batch():
     results = []
     for budget in (10_000, 1):  # all 12 sequences in one packed row; each sequence alone
         model = lora_model()
-        model.set_attn_implementation(PACKED_SDPA)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         m = train_step(model, opt, sequences(tiny_model()), RunSettings(max_new_tokens=8),
                        TrainConfig(micro_batch_tokens=budget, max_grad_norm=1e9), torch.device("cpu"))
