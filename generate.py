@@ -42,14 +42,16 @@ class GenerateConfig:
     max_inflight: int = field(default=64, metadata={"help": "--engine http: most requests in flight at once"})
     generator_id: str = field(default="", metadata={"help": "names this generator's files; default host-pid"})
     prompts_per_batch: int = field(default=8, metadata={"help": "prompts sampled together; G completions each"})
-    max_ready: int = field(default=32, metadata={"help": "backpressure: wait while this many groups wait for the trainer"})
+    max_ready: int = field(default=64, metadata={"help": "backpressure: wait while this many groups (two of the "
+                           "trainer's default steps) wait for the trainer"})
     seed: int = field(default=0, metadata={"help": "seed for prompts and sampling (mixed with generator_id)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
     dtype: str = field(default="float32", metadata={"help": "model weights: float32 | bfloat16 | float16"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the trainer)"})
     poll_s: float = field(default=0.02, metadata={"help": "how often to look at LATEST, rollouts/ and DONE while waiting"})
     max_batches: int = field(default=0, metadata={"help": "stop after this many batches (0: until DONE)"})
-    lockstep: bool = field(default=False, metadata={"help": "synchronous GRPO, for comparison: wait for each adapter"})
+    lockstep: bool = field(default=False, metadata={"help": "synchronous GRPO, for comparison: sample a trainer "
+                                                            "step's groups with each version, then wait for the next"})
 
 
 def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
@@ -67,13 +69,13 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
     return VllmEngine(resolve_model(run.model), run.lora_r, keep=run.max_staleness + 1, seed=seed), tokenizer
 
 
-def waiting_groups(buffer: RolloutBuffer, mine: list) -> int:
-    """Groups not consumed yet: what a live trainer saw waiting at `waiting_at` (its lease) plus what this generator
-    wrote since; without a live lease, the listing of rollouts/ less what the trainer consumed but not deleted."""
+def waiting_groups(buffer: RolloutBuffer, mine: list) -> tuple[int, dict]:
+    """(groups not consumed yet, the trainer's lease). Not consumed: what a live trainer saw waiting at `waiting_at`
+    plus what this generator wrote since; without a live lease, the listing of rollouts/ less what it consumed."""
     lease = read_json(buffer.storage, "owner.json") or {}
     if "waiting" not in lease or time.time() - lease["heartbeat"] > lease["timeout_s"]:
-        return len(buffer.listed()) - lease.get("pending", 0)
-    return lease["waiting"] + sum(n for t, n in mine if t > lease["waiting_at"])
+        return len(buffer.listed()) - lease.get("pending", 0), lease
+    return lease["waiting"] + sum(n for t, n in mine if t > lease["waiting_at"]), lease
 
 
 def main():
@@ -96,12 +98,14 @@ def main():
 
     batch = written = 0
     mine = collections.deque(maxlen=1000)  # (time, groups) of this generator's writes, for backpressure
-    skipped = set()  # adapter versions that could not be loaded
+    skipped, made = set(), collections.Counter()  # adapter versions that could not be loaded; groups per version
     idle_since, say_at = time.time(), time.time() + 10  # say_at: when to say, once, that no adapter came yet
     while (not cfg.max_batches or batch < cfg.max_batches) and not storage.exists("DONE"):
-        # backpressure: wait while max_ready groups wait (lock-step: until none waits and a newer adapter is out)
-        waiting = waiting_groups(buffer, mine)
-        lockstep = cfg.lockstep and batch and (waiting > 0 or (store.latest() or 0) <= engine.version)
+        # backpressure: wait while max_ready groups wait. Lock-step: once this version has sampled a trainer step's
+        # groups (in whole batches), wait for the next version
+        waiting, lease = waiting_groups(buffer, mine)
+        lockstep = (cfg.lockstep and made.get(engine.version, 0) >= lease.get("groups_per_step", 1)
+                    and (store.latest() or 0) <= engine.version)
         if waiting >= cfg.max_ready or lockstep:
             time.sleep(poll_s)
             continue
@@ -136,6 +140,7 @@ def main():
             finished_at=time.time()) for prompt, group, r in zip(prompts, completions, rewards)]
         written += len(buffer.write(groups, writer, seq=written))
         mine.append((time.time(), len(prompts)))
+        made[version] += len(prompts)
         batch += 1
 
         n_tok = sum(len(c.token_ids) for g in completions for c in g)

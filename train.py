@@ -43,8 +43,8 @@ from minigrpo.tasks import make_task, prompt_ids, score
 class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high, beta, tis_cap, is_mode) come first
     run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory: a folder or a URL "
                                                                 "(s3://bucket/prefix, gs://..., hf://buckets/...)"})
-    max_steps: int = field(default=500, metadata={"help": "optimizer steps in the whole run"})
-    groups_per_step: int = field(default=16, metadata={"help": "groups (prompts) per optimizer step; x G = completions"})
+    max_steps: int = field(default=250, metadata={"help": "optimizer steps in the whole run"})
+    groups_per_step: int = field(default=32, metadata={"help": "groups (prompts) per optimizer step; x G = completions"})
     lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate on the LoRA weights"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping by global norm"})
@@ -310,7 +310,8 @@ def main():
     if rank == 0 and storage.exists("DONE"):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists). "
                          f"Delete it or pass another --run_dir to start a new run.")
-    lease = Lease(storage, cfg.lease_timeout_s) if rank == 0 else None  # the ranks of one job share rank 0's
+    # the ranks of one job share rank 0's lease; a lock-step generator reads groups_per_step from it
+    lease = Lease(storage, cfg.lease_timeout_s, groups_per_step=cfg.groups_per_step) if rank == 0 else None
     if lease and (previous := lease.acquire()):
         print(f"took over the run from trainer {previous.get('owner')} (host {previous.get('host')})", flush=True)
     meta = create_run(storage, run) if rank == 0 else None

@@ -43,7 +43,8 @@ def two_process(mode: str, point: dict) -> float:
                             "--prompts_per_batch", str(PROMPTS), *flags, *(["--lockstep"] if mode == "lockstep" else [])],
                            cwd=ROOT, stdout=subprocess.DEVNULL)
     subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", str(STEPS), "--eval_every",
-                    str(STEPS), "--seed", "0", *flags], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+                    str(STEPS), "--groups_per_step", str(PROMPTS), "--seed", "0", *flags], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL)
     gen.wait()
     train = read_records(Storage(run_dir), "train")
     shutil.rmtree(run_dir)

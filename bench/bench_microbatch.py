@@ -1,7 +1,7 @@
-"""The trainer's packed micro-batches against what a TRL user runs: a fixed count of sequences per micro-batch (8
-or 16), in arrival order, right-padded to the longest. Both take one whole optimizer step with the same loss and
-the same chunked log-probs; only the batching differs. Reasoning-like lengths (long, varied completions) and
-demo-like short ones, on a random Qwen2-shaped model.
+"""The trainer's packed micro-batches (no padding, each prompt once with its G completions attending to it) against
+what a TRL user runs: a fixed count of sequences per micro-batch (8 or 16), in arrival order, right-padded to the
+longest. Both take one whole optimizer step with the same loss and the same chunked log-probs; only the batching
+differs. Reasoning-like lengths (long, varied completions) and demo-like short ones, on a random Qwen2-shaped model.
 
     python bench/bench_microbatch.py       # ~5 minutes on a 2-core CPU
 """

@@ -6,8 +6,9 @@
 
 The arms, all from the shipped base (minigrpo/demo_model), with the same tokenizer and raw-text prompts (the demo
 tokenizer's chat template adds nothing to them), the same reward (minigrpo.tasks.score on the training problems), LoRA r=8,
-alpha=16 on the same seven projections, learning rate 3e-3 (constant), G=8 completions per prompt, 128
-completions per optimizer step, at most 8 new tokens, temperature 1, top_p 1, top_k off, float32, on the CPU:
+alpha=16 on the same seven projections, learning rate 3e-3 (constant), G=8 completions per prompt, 256
+completions (32 groups) per optimizer step, at most 8 new tokens, temperature 1, top_p 1, top_k off, float32, on
+the CPU. These are minigrpo's defaults, read from its config classes, so the TRL arms follow any change to them:
   minigrpo     its real scripts, generate.py and train.py, as two processes (one thread each) on a fresh run directory,
                with every training default (grpo loss, behaviour log-probs, max_staleness 4, an adapter per step)
   trl_default  GRPOTrainer with TRL's own defaults for everything not matched above (TRL 1.16: loss_type="dapo",
@@ -333,7 +334,8 @@ def main():
         rows.append(row)
     notes = (f"held-out pass@1 (first {args.eval_size} held-out problems, T=1, mean ± sd over seeds "
              f"{', '.join(map(str, range(args.seeds)))}) of the newest adapter complete at each second of training "
-             f"since the arm's start; base: the shipped model; steps/s: optimizer steps of 128 completions done in "
+             f"since the arm's start; base: the shipped model; steps/s: optimizer steps of "
+             f"{matched().completions_per_step} completions done in "
              f"the {args.budget_s:g} s budget / budget." + (f" Logs and adapters: {work}" if args.work_dir else ""))
     import peft, torch, transformers, trl
     settings = {k: getattr(args, k) for k in ("budget_s", "point_list", "seeds", "arms", "eval_size", "trl_threads",

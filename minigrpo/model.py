@@ -37,13 +37,13 @@ def packed_attention(module, query, key, value, attention_mask, position_ids=Non
     out = query.new_empty(N, query.shape[1], value.shape[3])  # (N, heads, head_dim)
     for L, spans in runs.items():
         s, q, seq = torch.tensor(spans, device=dev).T[..., None]  # (k, 1) each
-        idx, keys, mask, Q = s + torch.arange(L, device=dev), None, None, int(q.max())  # idx (k, L): the runs' tokens
+        idx, Q = s + torch.arange(L, device=dev), int(q.max())  # idx (k, L): the runs' own tokens
+        keys, mask = idx, None
         if Q:  # the shared prefixes first, right-aligned: slot i holds prefix position i - (Q - q), < 0 is padding
             prefix = torch.arange(Q, device=dev) - (Q - q)  # (k, Q)
             keys = torch.cat([seq + prefix.clamp(min=0), idx], 1)  # (k, Q + L)
             causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril().expand(len(s), L, L)
             mask = torch.cat([(prefix >= 0)[:, None].expand(-1, L, -1), causal], 2)[:, None]  # (k, 1, L, Q + L)
-        keys = idx if keys is None else keys
         part = sdpa_attention_forward(module, rows(query, idx), rows(key, keys), rows(value, keys), mask, **kwargs)[0]
         out[idx.flatten()] = part.flatten(0, 1)  # part (k, L, heads, d)
     return out[None], None

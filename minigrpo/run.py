@@ -128,10 +128,10 @@ def dead_here(lease: dict) -> bool:
 class Lease:
     """owner.json, the trainer's lease (README, "The run directory"); generators read its progress for backpressure."""
 
-    def __init__(self, storage, timeout_s: float = 60.0):
+    def __init__(self, storage, timeout_s: float = 60.0, **about):  # about: what generators may read (groups_per_step)
         self.storage, self.timeout_s, self.lock, self.stop = storage, timeout_s, threading.Lock(), threading.Event()
         self.info = {"owner": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(),
-                     "timeout_s": timeout_s}
+                     "timeout_s": timeout_s, **about}
 
     def acquire(self):
         theirs = read_json(self.storage, "owner.json")

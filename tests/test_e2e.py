@@ -11,9 +11,10 @@ import pytest
 from conftest import eval_records, gen_records, train_records
 
 from minigrpo.storage import Storage
+from train import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 200
+STEPS = 100  # of the default 32 groups
 
 
 
@@ -26,7 +27,7 @@ def demo_run(tmp_path_factory):
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         train = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", str(STEPS),
-                                "--eval_every", "100", "--save_every", "50"], cwd=ROOT, env=env,
+                                "--eval_every", "50", "--save_every", "25"], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=600)
         gen_out, _ = gen.communicate(timeout=60)  # the generator must exit by itself once DONE appears
     finally:
@@ -46,7 +47,7 @@ def test_every_group_was_trained_exactly_once(demo_run):
     steps = train_records(demo_run)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     ids = [g for r in steps for g in r["group_ids"]]
-    assert len(ids) == len(set(ids)) == STEPS * 16
+    assert len(ids) == len(set(ids)) == STEPS * TrainConfig().groups_per_step
 
 
 def test_first_step_is_on_policy(demo_run):
@@ -73,7 +74,7 @@ def test_run_directory_is_left_consistent(demo_run):
     trained = {g for r in train_records(demo_run) for g in r["group_ids"]}
     left = {n.removesuffix(".safetensors") for n in storage.list("rollouts")}
     assert not left & trained, "a consumed group was not collected at the end"
-    assert storage.list("checkpoints") == ["step-000150", "step-000200"]
+    assert storage.list("checkpoints") == [f"step-{STEPS - 25:06d}", f"step-{STEPS:06d}"]
 
 
 def test_starting_a_finished_run_again_says_so(demo_run):
