@@ -30,9 +30,10 @@ import torch.distributed as dist
 from minigrpo.adapters import AdapterStore
 from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
 from minigrpo.engine import SamplingParams, TorchEngine
-from minigrpo.grpo import Batch, LossConfig, advantages, combine_metrics, grpo_loss, overlong_penalty, zero_std_groups
+from minigrpo.grpo import LossConfig, advantages, combine_metrics, grpo_loss, overlong_penalty, zero_std_groups
 from minigrpo.lora import adapter_config, inject_lora, lora_disabled, lora_state_dict
 from minigrpo.model import enable_checkpointing, load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
+from minigrpo.packing import Sample, collate, micro_batches
 from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
 from minigrpo.run import Lease, Metrics, RunSettings, create_run, fault, parse_config
 from minigrpo.storage import Storage
@@ -73,15 +74,6 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
             raise ValueError(f"--old_logp must be behavior or recompute, got {self.old_logp!r}")
         if self.tis_cap is None and self.old_logp == "recompute":
             self.tis_cap = 2.0
-
-
-@dataclass
-class Sample:
-    """One completion as the trainer sees it."""
-    ids: list[int]  # prompt + completion token ids
-    prompt_len: int
-    behav: list[float]  # the sampler's log-prob of each completion token
-    adv: float
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -127,57 +119,6 @@ def build_samples(groups, run, cfg):
     samples = [Sample(g.prompt_ids + c, len(g.prompt_ids), lp, next(adv))
                for g in groups for c, lp in zip(g.completion_ids, g.behavior_logprobs)]
     return samples, rewards, lengths
-
-
-def micro_batches(samples, budget: int):
-    """Samples with one prompt share one copy of it in a row (collate): a unit is a prompt and as many of its
-    completions as fit in `budget` tokens. First-fit decreasing: largest unit first, each into the first micro-batch
-    with room, so a micro-batch holds at most `budget` tokens (a larger unit gets one of its own). Nothing is padded."""
-    by_prompt, units = {}, []
-    for s in samples:
-        by_prompt.setdefault(tuple(s.ids[:s.prompt_len]), []).append(s)
-    for prompt, group in by_prompt.items():
-        unit, size = [], len(prompt)
-        for s in sorted(group, key=lambda s: -len(s.ids)):
-            if unit and size + len(s.ids) - s.prompt_len > budget:
-                units.append((size, unit))
-                unit, size = [], len(prompt)
-            unit.append(s)
-            size += len(s.ids) - s.prompt_len
-        units.append((size, unit))
-    batches, sizes = [], []
-    for size, unit in sorted(units, key=lambda u: -u[0]):
-        i = next((i for i, used in enumerate(sizes) if used + size <= budget), len(batches))
-        if i == len(batches):
-            batches.append([])
-            sizes.append(0)
-        batches[i] += unit
-        sizes[i] += size
-    return batches
-
-
-def collate(samples, device, num_seqs=None, num_tokens=None):
-    """One packed row (1, N) of token ids and position ids: each prompt once (positions 0..P-1), then each of its
-    completions in turn, every one at positions P, P+1, ... so that it attends to the prompt and to itself only
-    (model.packed_attention). Per completion token (B, T): `where` is the row index whose hidden state predicts it
-    (the prompt's last token for the first one) and `targets` the token, -1 past the end. The Batch's mask and
-    behaviour log-probs are (B, T) too. Returns ((ids, pos, where, targets), Batch)."""
-    B, T = len(samples), max(len(s.behav) for s in samples)
-    ids, pos, prompt = [], [], None
-    where, targets = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
-    mask, behav = torch.zeros(B, T), torch.zeros(B, T)
-    for i, s in enumerate(samples):
-        P, completion = s.prompt_len, s.ids[s.prompt_len:]
-        if s.ids[:P] != prompt:  # a new prompt; samples of one prompt come together (micro_batches)
-            prompt, last = s.ids[:P], len(ids) + P - 1
-            ids, pos = ids + prompt, pos + list(range(P))
-        n = len(completion)
-        where[i, :n] = torch.tensor([last] + list(range(len(ids), len(ids) + n - 1)))[:n]
-        targets[i, :n], mask[i, :n], behav[i, :n] = torch.tensor(completion), 1, torch.tensor(s.behav)
-        ids, pos = ids + completion, pos + list(range(P, P + n))
-    adv = torch.tensor([s.adv for s in samples])
-    batch = Batch(behav.to(device), adv.to(device), mask.to(device), num_seqs=num_seqs, num_tokens=num_tokens)
-    return tuple(t.to(device) for t in (torch.tensor([ids]), torch.tensor([pos]), where, targets)), batch
 
 
 def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):

@@ -17,7 +17,8 @@ from minigrpo.grpo import Batch, grpo_loss
 from minigrpo.lora import inject_lora
 from minigrpo.model import PACKED_SDPA, sequence_logprobs
 from minigrpo.run import RunSettings
-from train import Sample, TrainConfig, micro_batches, train_step
+from minigrpo.packing import Sample, micro_batches
+from train import TrainConfig, train_step
 
 torch.set_num_threads(2)
 REPEATS = 3

@@ -11,7 +11,8 @@ from conftest import tiny_model
 from minigrpo.lora import inject_lora, lora_layers
 from minigrpo.model import enable_checkpointing, packed_logprobs, sequence_logprobs
 from minigrpo.run import RunSettings
-from train import Sample, TrainConfig, collate, micro_batches, train_step
+from minigrpo.packing import Sample, collate, micro_batches
+from train import TrainConfig, train_step
 
 
 def sequences(model, n=12, G=4, seed=0):

@@ -1,0 +1,71 @@
+"""Packed micro-batches: the trainer's samples laid out in rows with no padding, each prompt once.
+
+A row holds each prompt once, at positions 0..P-1, then each of its completions at positions P, P+1, ...
+model.packed_attention reads a run whose positions restart at P as a branch that attends to the first P tokens
+of its sequence and then to itself, so the G completions of a prompt share one pass over it, exactly: the
+prompt's states do not depend on what follows them, and the gradient through them is the sum either way.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from minigrpo.grpo import Batch
+
+
+@dataclass
+class Sample:
+    """One completion as the trainer sees it."""
+    ids: list[int]  # prompt + completion token ids
+    prompt_len: int
+    behav: list[float]  # the sampler's log-prob of each completion token
+    adv: float
+
+
+def micro_batches(samples, budget: int):
+    """Samples with one prompt share one copy of it in a row (collate): a unit is a prompt and as many of its
+    completions as fit in `budget` tokens. First-fit decreasing: largest unit first, each into the first micro-batch
+    with room, so a micro-batch holds at most `budget` tokens (a larger unit gets one of its own). Nothing is padded."""
+    by_prompt, units = {}, []
+    for s in samples:
+        by_prompt.setdefault(tuple(s.ids[:s.prompt_len]), []).append(s)
+    for prompt, group in by_prompt.items():
+        unit, size = [], len(prompt)
+        for s in sorted(group, key=lambda s: -len(s.ids)):
+            if unit and size + len(s.ids) - s.prompt_len > budget:
+                units.append((size, unit))
+                unit, size = [], len(prompt)
+            unit.append(s)
+            size += len(s.ids) - s.prompt_len
+        units.append((size, unit))
+    batches, sizes = [], []
+    for size, unit in sorted(units, key=lambda u: -u[0]):
+        i = next((i for i, used in enumerate(sizes) if used + size <= budget), len(batches))
+        if i == len(batches):
+            batches.append([])
+            sizes.append(0)
+        batches[i] += unit
+        sizes[i] += size
+    return batches
+
+
+def collate(samples, device, num_seqs=None, num_tokens=None):
+    """One packed row (1, N) of token ids and position ids, laid out as above; the samples of one prompt come
+    together (micro_batches). Per completion token (B, T): `where` is the row index whose hidden state predicts it
+    (the prompt's last token for the first one), `targets` the token, -1 past the end. The Batch's mask and
+    behaviour log-probs are (B, T) too. Returns ((ids, pos, where, targets), Batch)."""
+    B, T = len(samples), max(len(s.behav) for s in samples)
+    ids, pos, prompt = [], [], None
+    where, targets = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
+    mask, behav = torch.zeros(B, T), torch.zeros(B, T)
+    for i, s in enumerate(samples):
+        P, completion = s.prompt_len, s.ids[s.prompt_len:]
+        if s.ids[:P] != prompt:  # a new prompt
+            prompt, last = s.ids[:P], len(ids) + P - 1
+            ids, pos = ids + prompt, pos + list(range(P))
+        n = len(completion)
+        where[i, :n] = torch.tensor([last] + list(range(len(ids), len(ids) + n - 1)))[:n]
+        targets[i, :n], mask[i, :n], behav[i, :n] = torch.tensor(completion), 1, torch.tensor(s.behav)
+        ids, pos = ids + completion, pos + list(range(P, P + n))
+    adv = torch.tensor([s.adv for s in samples])
+    batch = Batch(behav.to(device), adv.to(device), mask.to(device), num_seqs=num_seqs, num_tokens=num_tokens)
+    return tuple(t.to(device) for t in (torch.tensor([ids]), torch.tensor([pos]), where, targets)), batch
