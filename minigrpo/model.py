@@ -18,7 +18,7 @@ def packed_attention(module, query, key, value, attention_mask, position_ids=Non
     there each sequence attends causally to itself alone, the k runs of one length L in one SDPA call, where a
     block-diagonal mask would compute all N x N scores and discard most. A run whose positions restart at q > 0 is
     a branch: it attends to the first q tokens of its sequence, then causally to itself. So the G completions of a
-    prompt share one copy of it (train.collate), exactly: the prompt's states do not depend on what follows them,
+    prompt share one copy of it (packing.collate), exactly: the prompt's states do not depend on what follows them,
     and the gradient through them is the sum of the completions' gradients either way."""
     N = query.shape[2]  # query (1, heads, N, head_dim)
     if (attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != N
@@ -161,9 +161,9 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float):
 
 
 def packed_logprobs(model, ids, pos, where, targets, temperature: float):
-    """The same for completions packed in one row (train.collate), ids and position ids (1, N): where (B, T) is the
-    row index whose hidden state predicts each completion token, targets (B, T) that token, -1 past the end. Only
-    those T-or-fewer rows per completion meet the output head, never the prompts'. (B, T) each, 0 past the end."""
+    """The same for completions packed in one row by packing.collate, ids and position ids (1, N): where (B, T)
+    is the row index whose hidden state predicts each completion token, targets (B, T) that token, -1 past the end.
+    Only those rows meet the output head, never the prompts'. (B, T) each, 0 past the end."""
     if model.config._attn_implementation != PACKED_SDPA:
         raise ValueError(f"packed rows need attn_implementation={PACKED_SDPA!r} (load_model sets it), the model has "
                          f"{model.config._attn_implementation!r}")
