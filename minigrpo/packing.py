@@ -22,29 +22,26 @@ class Sample:
 
 
 def micro_batches(samples, budget: int):
-    """Samples with one prompt share one copy of it in a row (collate): a unit is a prompt and as many of its
-    completions as fit in `budget` tokens. First-fit decreasing: largest unit first, each into the first micro-batch
-    with room, so a micro-batch holds at most `budget` tokens (a larger unit gets one of its own). Nothing is padded."""
-    by_prompt, units = {}, []
-    for s in samples:
-        by_prompt.setdefault(tuple(s.ids[:s.prompt_len]), []).append(s)
-    for prompt, group in by_prompt.items():
-        unit, size = [], len(prompt)
-        for s in sorted(group, key=lambda s: -len(s.ids)):
-            if unit and size + len(s.ids) - s.prompt_len > budget:
-                units.append((size, unit))
-                unit, size = [], len(prompt)
-            unit.append(s)
-            size += len(s.ids) - s.prompt_len
-        units.append((size, unit))
-    batches, sizes = [], []
-    for size, unit in sorted(units, key=lambda u: -u[0]):
-        i = next((i for i, used in enumerate(sizes) if used + size <= budget), len(batches))
-        if i == len(batches):
-            batches.append([])
-            sizes.append(0)
-        batches[i] += unit
-        sizes[i] += size
+    """First-fit decreasing, prompt by prompt (the one with the most tokens first) and each prompt's samples longest
+    first: each sample goes into the first micro-batch with room, trying first those that hold its prompt, where it
+    costs only its completion (collate puts a prompt in a row once). A micro-batch holds at most `budget` tokens (a
+    longer sample gets one of its own). Nothing is padded."""
+    groups = {}  # prompt -> its samples, longest first
+    for s in sorted(samples, key=lambda s: -len(s.ids)):
+        groups.setdefault(tuple(s.ids[:s.prompt_len]), []).append(s)
+    batches, sizes, prompts = [], [], []
+    for p, group in sorted(groups.items(), key=lambda item: -sum(len(s.ids) for s in item[1])):
+        for s in group:
+            cost = [len(s.ids) - (len(p) if p in held else 0) for held in prompts] + [len(s.ids)]  # + a new one
+            tried = sorted(range(len(batches)), key=lambda i: p not in prompts[i])  # those holding p first
+            i = next((i for i in tried if sizes[i] + cost[i] <= budget), len(batches))
+            if i == len(batches):
+                batches.append([])
+                sizes.append(0)
+                prompts.append(set())
+            batches[i].append(s)
+            sizes[i] += cost[i]
+            prompts[i].add(p)
     return batches
 
 

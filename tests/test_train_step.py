@@ -59,7 +59,7 @@ def test_micro_batches_cover_each_sequence_once_within_the_token_budget():
     assert sorted(id(s) for mb in batches for s in mb) == sorted(id(s) for s in seqs)
     assert all(row_tokens(mb) <= 1024 for mb in batches)
     assert sum(len({tuple(s.ids[:s.prompt_len]) for s in mb}) for mb in batches) < len(seqs) / 2, "prompts shared"
-    assert len(batches) <= 1.1 * sum(row_tokens(mb) for mb in batches) / 1024 + 1, "first-fit decreasing: little room"
+    assert len(batches) <= sum(row_tokens(mb) for mb in batches) // 1024 + 2, "first-fit decreasing leaves little room"
     long = Sample([0] * 50, 1, [], 0.0)
     assert micro_batches([long], budget=16) == [[long]], "too long: a micro-batch of its own"
 
