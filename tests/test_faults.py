@@ -126,11 +126,9 @@ def test_a_second_trainer_is_refused_and_takes_over_once_the_first_is_dead(tmp_p
         gen.kill()
 
 
-def test_backpressure_below_one_batch_never_deadlocks(tmp_path):
-    """max_ready 4 < 16 groups a step: the generator waits for room while the trainer waits for groups, unless
-    the trainer says, while it waits, what it consumed."""
-    run_dir = str(tmp_path / "run")
-    gen = py("generate.py", "--run_dir", run_dir, "--generator_id", "g0", "--max_ready", "4")
+def three_steps_of_16_groups(run_dir, *gen_flags):
+    """train.py for 3 steps of 16 groups beside one generate.py with gen_flags; both must finish cleanly."""
+    gen = py("generate.py", "--run_dir", run_dir, "--generator_id", "g0", *gen_flags)
     try:
         train = subprocess.run([sys.executable, *TRAIN, "--run_dir", run_dir, "--max_steps", "3", "--groups_per_step",
                                 "16"], cwd=ROOT, capture_output=True, text=True, timeout=180)
@@ -138,21 +136,20 @@ def test_backpressure_below_one_batch_never_deadlocks(tmp_path):
         assert gen.wait(timeout=60) == 0
     finally:
         gen.kill()
-    assert [r["step"] for r in train_records(run_dir)] == [1, 2, 3]
+    return train_records(run_dir)
+
+
+def test_backpressure_below_one_batch_never_deadlocks(tmp_path):
+    """max_ready 4 < 16 groups a step: the generator waits for room while the trainer waits for groups, unless
+    the trainer says, while it waits, what it consumed."""
+    records = three_steps_of_16_groups(str(tmp_path / "run"), "--max_ready", "4")
+    assert [r["step"] for r in records] == [1, 2, 3]
 
 
 def test_lockstep_samples_each_step_with_the_newest_weights_from_several_batches(tmp_path):
     """--lockstep with 8 prompts a batch and 16 groups a step: two batches per version, then wait for the next."""
     run_dir = str(tmp_path / "run")
-    gen = py("generate.py", "--run_dir", run_dir, "--generator_id", "g0", "--lockstep", "--prompts_per_batch", "8")
-    try:
-        train = subprocess.run([sys.executable, *TRAIN, "--run_dir", run_dir, "--max_steps", "3", "--groups_per_step",
-                                "16"], cwd=ROOT, capture_output=True, text=True, timeout=180)
-        assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
-        assert gen.wait(timeout=60) == 0
-    finally:
-        gen.kill()
-    records = train_records(run_dir)
+    records = three_steps_of_16_groups(run_dir, "--lockstep", "--prompts_per_batch", "8")
     assert [(r["step"], r["sample/staleness_max"]) for r in records] == [(1, 0), (2, 0), (3, 0)]
     versions = [r["policy_version"] for r in gen_records(run_dir, "g0")]
     assert versions[:6] == [0, 0, 1, 1, 2, 2] and set(versions[6:]) <= {3}, versions  # v3 may start before DONE
