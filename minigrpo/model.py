@@ -171,5 +171,5 @@ def packed_logprobs(model, ids, pos, where, targets, temperature: float):
     hidden = model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]  # (N, H)
     valid = targets >= 0
     logp, entropy = HeadLogprobs.apply(hidden[where[valid]], head.weight, targets[valid], temperature)
-    return (torch.zeros(where.shape, device=ids.device).index_put((valid,), logp),
-            torch.zeros(where.shape, device=ids.device).index_put((valid,), entropy))
+    spread = lambda x: torch.zeros(where.shape, device=ids.device).index_put((valid,), x)  # noqa: E731 (B, T)
+    return spread(logp), spread(entropy)
