@@ -34,8 +34,24 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):  # x: (..., in)
         y = self.base(x)  # (..., out)
-        h = (x.to(self.lora_A.dtype) @ self.lora_A.T) * self.scaling  # (..., r): scale the small tensor
-        return y + (h @ self.lora_B.T).to(y.dtype)  # (..., out)
+        h = x @ self.lora_A.T if x.dtype == self.lora_A.dtype else LowPrecisionInput.apply(x, self.lora_A)
+        return y + ((h * self.scaling) @ self.lora_B.T).to(y.dtype)  # (..., out), scaling the small tensor (..., r)
+
+
+class LowPrecisionInput(torch.autograd.Function):
+    """h = x A^T in float32 for an input x in bf16 or fp16. Autograd would keep x.float() for A's gradient: a float32
+    copy of every LoRA layer's input, alive until the backward pass. This keeps x itself, and casts it again there."""
+
+    @staticmethod
+    def forward(ctx, x, A):  # x (..., in), A (r, in) float32
+        ctx.save_for_backward(x, A)
+        return x.to(A.dtype) @ A.T  # (..., r)
+
+    @staticmethod
+    def backward(ctx, grad_h):  # (..., r)
+        x, A = ctx.saved_tensors
+        grad_A = grad_h.flatten(0, -2).T @ x.flatten(0, -2).to(A.dtype)  # (r, in)
+        return (grad_h @ A).to(x.dtype) if ctx.needs_input_grad[0] else None, grad_A
 
 
 def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:
