@@ -8,7 +8,7 @@ reads VmHWM (the peak) after one step, minus VmRSS before it: the first step, wi
 behind. The step is also timed. The arms alternate, 3 processes each.
 
     python bench/bench_logprobs_memory.py  # Linux (/proc); hours on a CPU without bf16 matrix instructions, where
-                                           # a bf16 matmul with a 151,936-long reduction runs at ~0.5 GFLOP/s
+                                           # a bf16 matmul with a 151,936-long reduction runs at 0.3 GFLOP/s
     python bench/bench_logprobs_memory.py 256 float32   # 2 x 256 tokens in float32: ~5 minutes on 2 cores
     python bench/bench_logprobs_memory.py 1024 float32  # 2 x 1024 tokens in float32: ~10 minutes, 8 GB of memory
     python bench/bench_logprobs_memory.py 1024 count    # tensor bytes, float32 and bf16, under fake tensors: seconds
