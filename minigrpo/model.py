@@ -3,6 +3,7 @@
 folder or a Hugging Face repo id, loaded by the same code.
 """
 import os
+import weakref
 
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
@@ -21,32 +22,56 @@ def packed_attention(module, query, key, value, attention_mask, position_ids=Non
     prompt share one copy of it (packing.collate), exactly: the prompt's states do not depend on what follows them,
     and the gradient through them is the sum of the completions' gradients either way."""
     N = query.shape[2]  # query (1, heads, N, head_dim)
-    if (attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != N
-            or position_ids[0, 0] != 0):
+    plan = None
+    if attention_mask is None and position_ids is not None and query.shape[0] == 1 and key.shape[2] == N:
+        plan = packed_plan(position_ids)
+    if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    pos, dev = position_ids[0], query.device
-    starts = [0] + ((pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1).tolist()
-    runs = {}  # run length L -> [(start, q, start of its sequence)]
-    for s, e, q in zip(starts, starts[1:] + [N], pos[starts].tolist()):
-        if q == 0:
-            seq, first = s, e - s  # a new sequence: its first run holds what its branches share
-        elif q > first:
-            raise ValueError(f"packed row: the run at token {s} shares {q} tokens, its sequence's first run has {first}")
-        runs.setdefault(e - s, []).append((s, q, seq))
     rows = lambda x, i: x[0][:, i].transpose(0, 1)  # noqa: E731 (heads, N, d) -> (k, heads, len, d)
     out = query.new_empty(N, query.shape[1], value.shape[3])  # (N, heads, head_dim)
-    for L, spans in runs.items():
-        s, q, seq = torch.tensor(spans, device=dev).T[..., None]  # (k, 1) each
-        idx, Q = s + torch.arange(L, device=dev), int(q.max())  # idx (k, L): the runs' own tokens
-        keys, mask = idx, None
-        if Q:  # the shared prefixes first, right-aligned: slot i holds prefix position i - (Q - q), < 0 is padding
-            prefix = torch.arange(Q, device=dev) - (Q - q)  # (k, Q)
-            keys = torch.cat([seq + prefix.clamp(min=0), idx], 1)  # (k, Q + L)
-            causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril().expand(len(s), L, L)
-            mask = torch.cat([(prefix >= 0)[:, None].expand(-1, L, -1), causal], 2)[:, None]  # (k, 1, L, Q + L)
+    for idx, keys, mask in plan:
         part = sdpa_attention_forward(module, rows(query, idx), rows(key, keys), rows(value, keys), mask, **kwargs)[0]
         out[idx.flatten()] = part.flatten(0, 1)  # part (k, L, heads, d)
     return out[None], None
+
+
+_plan = (None, None)  # (a weak reference to position ids, their plan): built by a forward's first layer, reused
+
+
+def packed_plan(position_ids: torch.Tensor):
+    """For packed position ids (1, N): per run length L, the runs' token indices (k, L), the keys each attends to
+    and the mask over them; None if the row is not packed. Every layer of a forward gets the same position ids,
+    so only the first reads them on the host."""
+    global _plan
+    ref, plan = _plan  # one read: another thread may replace it
+    if ref is not None and ref() is position_ids:
+        return plan
+    pos, dev = position_ids[0], position_ids.device
+    plan, N = None, len(pos)
+    if pos[0] == 0:
+        starts = [0] + ((pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1).tolist()
+        runs = {}  # run length L -> [(start, q, start of its sequence)]
+        for s, e, q in zip(starts, starts[1:] + [N], pos[starts].tolist()):
+            if q == 0:
+                seq, first = s, e - s  # a new sequence: its first run holds what its branches share
+            elif q > first:
+                raise ValueError(f"packed row: the run at token {s} shares {q} tokens, its sequence's first run has "
+                                 f"{first}")
+            runs.setdefault(e - s, []).append((s, q, seq))
+        plan = [run_plan(L, spans, dev) for L, spans in runs.items()]
+    _plan = (weakref.ref(position_ids), plan)
+    return plan
+
+
+def run_plan(L: int, spans: list[tuple], dev):  # spans: the runs of length L, (start, q, start of its sequence)
+    s, q, seq = torch.tensor(spans, device=dev).T[..., None]  # (k, 1) each
+    idx, Q = s + torch.arange(L, device=dev), max(span[1] for span in spans)  # idx (k, L): the runs' own tokens
+    if not Q:
+        return idx, idx, None
+    prefix = torch.arange(Q, device=dev) - (Q - q)  # (k, Q) the shared prefixes first, right-aligned: < 0 is padding
+    keys = torch.cat([seq + prefix.clamp(min=0), idx], 1)  # (k, Q + L)
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril().expand(len(s), L, L)
+    return idx, keys, torch.cat([(prefix >= 0)[:, None].expand(-1, L, -1), causal], 2)[:, None]  # (k, 1, L, Q + L)
 
 
 def packed_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
