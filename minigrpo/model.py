@@ -3,7 +3,6 @@
 folder or a Hugging Face repo id, loaded by the same code.
 """
 import os
-import weakref
 
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
@@ -14,17 +13,18 @@ from transformers.utils import logging as hf_logging
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
 
 
-def packed_attention(module, query, key, value, attention_mask, position_ids=None, **kwargs):
+def packed_attention(module, query, key, value, attention_mask, position_ids=None, packed_plan=None, **kwargs):
     """transformers' SDPA attention, except on a packed row (no mask, position ids restarting at 0 at each sequence):
     there each sequence attends causally to itself alone, the k runs of one length L in one SDPA call, where a
     block-diagonal mask would compute all N x N scores and discard most. A run whose positions restart at q > 0 is
     a branch: it attends to the first q tokens of its sequence, then causally to itself. So the G completions of a
     prompt share one copy of it (packing.collate), exactly: the prompt's states do not depend on what follows them,
-    and the gradient through them is the sum of the completions' gradients either way."""
+    and the gradient through them is the sum of the completions' gradients either way. packed_logprobs reads the
+    row's layout once (plan_packed_row) and passes it to every layer; another caller's row is read here."""
     N = query.shape[2]  # query (1, heads, N, head_dim)
     plan = None
     if attention_mask is None and position_ids is not None and query.shape[0] == 1 and key.shape[2] == N:
-        plan = packed_plan(position_ids)
+        plan = packed_plan if packed_plan is not None else plan_packed_row(position_ids)
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows = lambda x, i: x[0][:, i].transpose(0, 1)  # noqa: E731 (heads, N, d) -> (k, heads, len, d)
@@ -35,32 +35,21 @@ def packed_attention(module, query, key, value, attention_mask, position_ids=Non
     return out[None], None
 
 
-_plan = (None, None)  # (a weak reference to position ids, their plan): built by a forward's first layer, reused
-
-
-def packed_plan(position_ids: torch.Tensor):
-    """For packed position ids (1, N): per run length L, the runs' token indices (k, L), the keys each attends to
-    and the mask over them; None if the row is not packed. Every layer of a forward gets the same position ids,
-    so only the first reads them on the host."""
-    global _plan
-    ref, plan = _plan  # one read: another thread may replace it
-    if ref is not None and ref() is position_ids:
-        return plan
+def plan_packed_row(position_ids: torch.Tensor) -> list[tuple] | None:
+    """For packed position ids (1, N), read on the host: per run length L, the runs' token indices (k, L), the keys
+    each attends to and the mask over them. None if the row is not packed (it does not start at position 0)."""
     pos, dev = position_ids[0], position_ids.device
-    plan, N = None, len(pos)
-    if pos[0] == 0:
-        starts = [0] + ((pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1).tolist()
-        runs = {}  # run length L -> [(start, q, start of its sequence)]
-        for s, e, q in zip(starts, starts[1:] + [N], pos[starts].tolist()):
-            if q == 0:
-                seq, first = s, e - s  # a new sequence: its first run holds what its branches share
-            elif q > first:
-                raise ValueError(f"packed row: the run at token {s} shares {q} tokens, its sequence's first run has "
-                                 f"{first}")
-            runs.setdefault(e - s, []).append((s, q, seq))
-        plan = [run_plan(L, spans, dev) for L, spans in runs.items()]
-    _plan = (weakref.ref(position_ids), plan)
-    return plan
+    if pos[0] != 0:
+        return None
+    starts = [0] + ((pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1).tolist()
+    runs = {}  # run length L -> [(start, q, start of its sequence)]
+    for s, e, q in zip(starts, starts[1:] + [len(pos)], pos[starts].tolist()):
+        if q == 0:
+            seq, first = s, e - s  # a new sequence: its first run holds what its branches share
+        elif q > first:
+            raise ValueError(f"packed row: the run at token {s} shares {q} tokens, its sequence's first run has {first}")
+        runs.setdefault(e - s, []).append((s, q, seq))
+    return [run_plan(L, spans, dev) for L, spans in runs.items()]
 
 
 def run_plan(L: int, spans: list[tuple], dev):  # spans: the runs of length L, (start, q, start of its sequence)
@@ -193,7 +182,8 @@ def packed_logprobs(model, ids, pos, where, targets, temperature: float):
         raise ValueError(f"packed rows need attn_implementation={PACKED_SDPA!r} (load_model sets it), the model has "
                          f"{model.config._attn_implementation!r}")
     head = output_head(model)
-    hidden = model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]  # (N, H)
+    hidden = model.base_model(input_ids=ids, position_ids=pos, use_cache=False,  # every layer gets the one plan
+                              packed_plan=plan_packed_row(pos)).last_hidden_state[0]  # (N, H)
     valid = targets >= 0
     logp, entropy = HeadLogprobs.apply(hidden[where[valid]], head.weight, targets[valid], temperature)
     spread = lambda x: torch.zeros(where.shape, device=ids.device).index_put((valid,), x)  # noqa: E731 (B, T)

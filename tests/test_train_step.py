@@ -91,15 +91,15 @@ def test_packed_sequences_see_only_themselves(arch, G):
     assert (leaky - logp).mul(batch.mask).abs().max() > 1e-3, "attending across sequences would show"
 
 
-def test_a_forward_reads_its_packed_layout_once_for_all_its_layers(monkeypatch):
+def test_a_forward_reads_its_packed_layout_once_for_all_its_layers(monkeypatch, arch):
     import minigrpo.model as m
-    model, seqs = lora_model(), sequences(tiny_model(), n=4, G=2)
+    model, seqs = lora_model(arch), sequences(tiny_model(), n=4, G=2)
     (ids, pos, where, targets), _ = collate(seqs, torch.device("cpu"))
     built, run_plan = [], m.run_plan
     monkeypatch.setattr(m, "run_plan", lambda L, spans, dev: built.append(L) or run_plan(L, spans, dev))
     packed_logprobs(model, ids, pos, where, targets, 1.0)
     assert model.config.num_hidden_layers == 2 and built and len(built) == len(set(built)), "once, not once a layer"
-    packed_logprobs(model, ids, pos.clone(), where, targets, 1.0)  # a new forward's position ids: planned again
+    packed_logprobs(model, ids, pos, where, targets, 1.0)  # the next forward reads them again
     assert len(built) == 2 * len(set(built))
 
 
