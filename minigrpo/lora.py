@@ -48,10 +48,13 @@ class LowPrecisionInput(torch.autograd.Function):
         return x.to(A.dtype) @ A.T  # (..., r)
 
     @staticmethod
-    def backward(ctx, grad_h):  # (..., r)
+    def backward(ctx, grad_h):  # (..., r), in A's dtype even if autocast ran the forward in another
         x, A = ctx.saved_tensors
-        grad_A = grad_h.flatten(0, -2).T @ x.flatten(0, -2).to(A.dtype)  # (r, in)
-        return (grad_h @ A).to(x.dtype) if ctx.needs_input_grad[0] else None, grad_A
+        grad_h = grad_h.to(A.dtype)
+        grad_x = (grad_h @ A).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_A = grad_h.reshape(-1, A.shape[0]).T @ x.reshape(-1, A.shape[1]).to(A.dtype) if ctx.needs_input_grad[1] \
+            else None  # (r, in)
+        return grad_x, grad_A
 
 
 def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:

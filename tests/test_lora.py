@@ -36,13 +36,13 @@ def test_forward_matches_the_hand_computed_example():
 def test_a_bf16_layer_keeps_its_input_for_the_backward_not_a_float32_copy():
     """Same gradients as autograd through x.float(), but the saved tensors hold x itself (half the bytes)."""
     torch.manual_seed(0)
-    layer = LoRALinear(nn.Linear(64, 32, bias=False).to(torch.bfloat16), r=4, alpha=8)
+    layer = LoRALinear(nn.Linear(64, 32, bias=False).to(torch.bfloat16).requires_grad_(False), r=4, alpha=8)
     nn.init.normal_(layer.lora_B)
     x = torch.randn(3, 5, 64, dtype=torch.bfloat16, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = layer(x)
-    assert [t.dtype for t in saved if t.shape == x.shape] == [torch.bfloat16], "x kept once, in bf16"
+    assert [t.dtype for t in saved if t.numel() == x.numel()] == [torch.bfloat16], "x kept once, in bf16"
     out.float().square().sum().backward()
     mine = [x.grad, layer.lora_A.grad, layer.lora_B.grad]
     x.grad = layer.lora_A.grad = layer.lora_B.grad = None
@@ -50,6 +50,9 @@ def test_a_bf16_layer_keeps_its_input_for_the_backward_not_a_float32_copy():
     (layer.base(x) + (h @ layer.lora_B.T).to(torch.bfloat16)).float().square().sum().backward()
     for a, b in zip(mine, [x.grad, layer.lora_A.grad, layer.lora_B.grad]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # h comes out in bf16 here; A's gradient is still float32
+        layer(x[0, 0].detach()).float().sum().backward()  # and one 1-D input
+    assert layer.lora_A.grad.dtype == torch.float32
 
 
 def test_fresh_adapter_is_identity(arch):
