@@ -16,7 +16,8 @@ Each setting writes bench/results/logprobs_memory_<tokens>_<dtype>.json.
 
 `count` runs the same step on fake tensors (torch's FakeTensorMode: shapes and dtypes, no memory, no arithmetic)
 and counts the bytes of tensor storage alive after each operation (LiveBytes), so bf16 is measured where this
-CPU cannot run it. It sees no allocator overhead and no temporaries inside an operation: in float32, where both
+CPU cannot run it. It sees no allocator overhead, no temporaries inside an operation and no storage that an
+`out=` operation grows (the step writes only into slices of the right size): in float32, where both
 methods run, it reads 0.3 GB below the operating system's peak in both arms (README, Performance).
 """
 import json
