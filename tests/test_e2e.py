@@ -156,7 +156,7 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(tmp
             assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
             assert gen.wait(timeout=60) == 0
             assert train_records(run_dir)[-1]["sample/attribution_mismatch"] == 0  # every digest matched its version
-            storage, checked = Storage(run_dir), 0
+            storage, near, far = Storage(run_dir), [], []
             for name in storage.list("rollouts"):  # groups sampled after the last step: recompute their log-probs
                 group = read_group(storage.get(f"rollouts/{name}"), name.removesuffix(".safetensors"))
                 adapter = f"{run_dir}/adapters/policy-{json.loads(storage.get('run.json'))['run_id']}-v{group.policy_version:06d}"
@@ -167,15 +167,15 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(tmp
                 logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), 1.0)
                 gap = lambda lp: max(abs(a - b) for a, b in zip(lp[0, len(group.prompt_ids) - 1:].tolist(),  # noqa: E731
                                                                 group.behavior_logprobs[0]))
-                # float32 rounding in a replica's batched decode stays under 5e-5 on this machine but reached 9e-4
-                # on another CPU (CI, 2026-12-03); the weights one version earlier must be beyond the tolerance
-                assert gap(logp) < 1e-2, (run, name, gap(logp))
+                near.append(gap(logp))
                 earlier = adapter.replace(f"-v{group.policy_version:06d}", f"-v{group.policy_version - 1:06d}")
                 if os.path.isdir(earlier):
                     load_adapter(model, earlier)
-                    assert gap(sequence_logprobs(model, ids, torch.ones_like(ids), 1.0)[0]) > max(1e-2, 10 * gap(logp))
-                checked += 1
-            assert checked > 0, f"run {run} left no group sampled with a trained adapter"
+                    far.append(gap(sequence_logprobs(model, ids, torch.ones_like(ids), 1.0)[0]))
+            # float32 rounding in a replica's batched decode stays under 5e-5 on this machine but reached 9e-4 on
+            # another CPU (CI, 2026-12-03); the weights one version earlier must be beyond that tolerance
+            assert near and max(near) < 1e-2, (run, near)
+            assert far and max(far) > max(1e-2, 10 * max(near)), (run, far)
         names = [{m["id"] for m in call("GET", r + "/v1/models")[2]["data"][1:]} for r in replicas]
         ids = [json.loads(Storage(str(tmp_path / run)).get("run.json"))["run_id"] for run in "ab"]
         assert all(any(ids[1] in n for n in names[i]) for i in (0, 1)) and ids[0] != ids[1]
