@@ -31,8 +31,7 @@ class ProxyConfig(P.ServerConfig):
     no_auth: bool = field(default=False, metadata={"help": "run without a client key (only on a trusted network)"})
     upstream_token: str = field(default="", metadata={"help": "bearer token sent to the replicas (default: env HF_TOKEN)"})
     imbalance: int = field(default=32, metadata={"help": "affinity only while a replica is at most this many requests "
-                                                     "(of the fastest replica's, by time) ahead of the least loaded; "
-                                                     "about 2G for G completions a prompt"})
+                                                     "ahead of the least loaded (about 2G for G completions a prompt)"})
     load_timeout_s: float = field(default=300.0, metadata={"help": "keep retrying 'No adapter found' this long"})
     retry_s: float = field(default=2.0, metadata={"help": "interval between those retries"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "a replica that takes longer gets a 504"})
@@ -93,11 +92,7 @@ class Proxy:
         prompt, model = body.get("prompt", body.get("messages")), P.utf8(body.get("model") or "")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]  # a batch of prompts is routed by its first one
-        t0 = time.monotonic()
-        response = await self.forward(request, self.router.choose(model, prompt, self.inflight)[0])
-        if response.status == 200:  # the router weighs each replica's load by how long it takes
-            self.router.done(int(response.headers["X-Proxy-Upstream"]), time.monotonic() - t0)
-        return response
+        return await self.forward(request, self.router.choose(model, prompt, self.inflight)[0])
 
     async def load_lora(self, request: web.Request):
         body = P.parse_json(await request.read())

@@ -10,8 +10,7 @@ takes its decode time plus, when the replica did not hold its prompt, its prefil
 (1, 1, 1 and 1/3). Counted per request:
   hit    the replica it was sent to held its prompt (the ceiling is (G-1)/G: a prompt's first request cannot hit);
   spill  some replica held its prompt, and it was sent to one that did not.
-Compared with a least-loaded router (fewest requests in flight, round-robin on ties) for the makespan. The
-prefix router hears how long each request took (done()), as the proxy tells it.
+Compared with a least-loaded router (fewest requests in flight, round-robin on ties) for the makespan.
 
     python bench/bench_routing.py          # ~1 minute
 """
@@ -30,9 +29,6 @@ CACHE_BLOCKS = 20_000  # KV blocks per replica
 class LeastLoaded:
     def __init__(self, n):
         self.n, self.next_rr = n, 0
-
-    def done(self, i, seconds):  # counts requests only
-        pass
 
     def choose(self, model, prompt, inflight):
         least = min(inflight)
@@ -64,9 +60,9 @@ def replay(router, bursts, window: int) -> dict:
     hits = spills = total = 0
     now, events = 0.0, []  # (finish time, replica)
 
-    def start(r, duration, sent):
+    def start(r, duration):
         running[r] += 1
-        heapq.heappush(events, (now + duration / SPEEDS[r], r, sent))
+        heapq.heappush(events, (now + duration / SPEEDS[r], r))
 
     for burst in bursts:  # the next burst starts when the last one is done, as a generator's batches do
         pending = collections.deque(burst)
@@ -86,15 +82,14 @@ def replay(router, bursts, window: int) -> dict:
                 duration = decode + (0 if hit else 0.05 * len(prompt))  # prefill only on a miss
                 inflight[r] += 1
                 if running[r] < SLOTS:
-                    start(r, duration, now)
+                    start(r, duration)
                 else:
-                    queued[r].append((duration, now))
-            now, r, sent = heapq.heappop(events)
+                    queued[r].append(duration)
+            now, r = heapq.heappop(events)
             running[r] -= 1
             inflight[r] -= 1
-            router.done(r, now - sent)  # as the proxy times each request
             if queued[r]:
-                start(r, *queued[r].popleft())
+                start(r, queued[r].popleft())
     return {"hit": hits / total, "spill": spills / total, "makespan": now}
 
 

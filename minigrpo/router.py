@@ -5,10 +5,7 @@ As in vLLM's prefix cache (not its exact hashes), a prompt is cut into 16-token 
 with the model (adapter) name; the last block may be partial. A replica owns the blocks sent to it (a bounded LRU
 table). The template every prompt starts with is found from the data: blocks every replica owns, or that two
 different blocks follow. The longest prefix past it wins while its replica is at most `imbalance` requests ahead
-of the least loaded; otherwise the least loaded gets the request (round-robin on ties). Load is counted in time:
-requests in flight, each weighed by how long that replica's requests have taken lately (done(), a moving
-average), so a replica three times slower takes about a third of the new prompts, and `imbalance` is in
-requests of the fastest replica. Until replicas are timed, every request counts the same.
+of the least loaded; otherwise the least loaded gets the request (round-robin on ties).
 """
 import array
 import collections
@@ -24,11 +21,6 @@ class PrefixRouter:
         self.table = collections.OrderedDict()  # block hash -> (owners: set[int], successors: set[bytes]), LRU
         self.counters = {"affinity": 0, "spilled": 0, "unmatched": 0}
         self.turns = itertools.count()  # round-robin among equally loaded replicas
-        self.seconds = [0.0] * n  # a replica's recent seconds per request (a moving average), 0 until timed
-
-    def done(self, i: int, seconds: float):
-        """A request to replica i took this long, queueing included."""
-        self.seconds[i] = seconds if not self.seconds[i] else 0.9 * self.seconds[i] + 0.1 * seconds
 
     def choose(self, model: str, prompt, inflight: list[int]) -> tuple[int, str]:
         """(replica index, "affinity" | "spilled" | "unmatched"), and remember where the prompt went. Token ids are
@@ -51,13 +43,12 @@ class PrefixRouter:
             for i in owners_so_far:
                 matched[i] = depth
         specific = [max(0, m - common) for m in matched]
-        per_request = [s or max(self.seconds) or 1.0 for s in self.seconds]  # untimed: as the slowest timed one
-        wait = [(f + 1) * s for f, s in zip(inflight, per_request)]  # until one more request would be done
-        best = max(range(self.n), key=lambda i: (specific[i], -wait[i]))
-        if specific[best] > 0 and wait[best] - min(wait) <= self.imbalance * min(per_request):
+        best = max(range(self.n), key=lambda i: (specific[i], -inflight[i]))
+        least = min(inflight)
+        if specific[best] > 0 and inflight[best] - least <= self.imbalance:
             pick, kind = best, "affinity"
         else:
-            ties = [i for i in range(self.n) if wait[i] == min(wait)]
+            ties = [i for i in range(self.n) if inflight[i] == least]
             pick, kind = ties[next(self.turns) % len(ties)], "spilled" if specific[best] > 0 else "unmatched"
             if matched[pick] == len(hashes) and len(hashes) > fanout:  # the loop saw every block: fanout is final
                 kind = "affinity"  # every replica holds this whole prompt (it spilled before): a hit wherever it goes
@@ -75,8 +66,7 @@ class PrefixRouter:
             self.table.popitem(last=False)
 
     def stats(self) -> dict:
-        return self.counters | {"routed": sum(self.counters.values()), "tracked_blocks": len(self.table),
-                                "seconds_per_request": [round(s, 4) for s in self.seconds]}
+        return self.counters | {"routed": sum(self.counters.values()), "tracked_blocks": len(self.table)}
 
 
 @functools.lru_cache(maxsize=4096)  # a prompt comes G times in a row: hash its blocks once

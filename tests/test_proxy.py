@@ -102,8 +102,6 @@ def test_completions_are_routed_and_counted(fleet):
     assert [u["url"] for u in stats["upstreams"]] == fleet["replicas"]
     assert sum(u["routed"] for u in stats["upstreams"]) >= 6 and stats["router"]["routed"] >= 6
     assert set(stats["router"]) >= {"affinity", "spilled", "unmatched", "tracked_blocks"}
-    timed = [s > 0 for s in stats["router"]["seconds_per_request"]]  # each answer timed its replica
-    assert timed == [u["routed"] > 0 for u in stats["upstreams"]]
 
 
 def test_pause_and_resume_reach_every_replica(fleet):

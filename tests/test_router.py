@@ -89,18 +89,3 @@ def test_a_prompt_shorter_than_one_block_follows_its_first_request():
     assert kind == "unmatched"
     assert all(router.choose("m", [1, 2, 3], [0, 0, 0, 0]) == (home, "affinity") for _ in range(15))
     assert router.choose("m", [1, 2, 4], [0, 0, 0, 0])[1] == "unmatched"
-
-
-def test_a_replica_three_times_slower_gets_about_a_third_as_many_new_prompts():
-    router, rng = PrefixRouter(2), random.Random(0)
-    new_prompt = lambda: [rng.randrange(50_000) for _ in range(40)]  # noqa: E731 (no shared template)
-    untimed = [router.choose("m", new_prompt(), [0, 0])[0] for _ in range(4)]
-    assert sorted(untimed) == [0, 0, 1, 1], "until timed, every replica counts the same"
-    router.done(0, 1.0)
-    router.done(1, 3.0)
-    inflight = [0, 0]
-    for _ in range(40):  # 40 new prompts, none done yet
-        inflight[router.choose("m", new_prompt(), inflight)[0]] += 1
-    assert inflight == [30, 10]
-    router.done(1, 1.0)  # it sped up: a moving average follows
-    assert router.seconds[1] == 0.9 * 3.0 + 0.1 * 1.0
