@@ -50,10 +50,9 @@ class LowPrecisionInput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h):  # (..., r), in A's dtype even if autocast ran the forward in another
         x, A = ctx.saved_tensors
-        grad_h = grad_h.to(A.dtype)
+        grad_h, (r, n) = grad_h.to(A.dtype), A.shape
         grad_x = (grad_h @ A).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_A = grad_h.reshape(-1, A.shape[0]).T @ x.reshape(-1, A.shape[1]).to(A.dtype) if ctx.needs_input_grad[1] \
-            else None  # (r, in)
+        grad_A = grad_h.reshape(-1, r).T @ x.reshape(-1, n).to(A.dtype) if ctx.needs_input_grad[1] else None  # (r, in)
         return grad_x, grad_A
 
 
