@@ -19,11 +19,11 @@ from aiohttp import web
 from transformers import HfArgumentParser
 
 from minigrpo import protocol as P
-from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.lora import DEFAULT_TARGETS, inject_lora
 from minigrpo.model import load_model, pick_device, stop_token_ids
 from minigrpo.remote import MAX_LORA_RANKS
-from minigrpo.scheduler import Adapter, Scheduler
+from minigrpo.serve_sampling import ServerEngine, ServerParams
+from minigrpo.serve_scheduler import Adapter, Scheduler
 
 VERSION = "0.33.0+minigrpo"  # the vLLM API this server answers like
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
@@ -89,8 +89,8 @@ class Server:
         # served at rank <= max; the alpha here is a placeholder, since each adapter brings its own scaling
         inject_lora(self.model, cfg.max_lora_rank, cfg.max_lora_rank, DEFAULT_TARGETS)
         self.decode = lambda ids, skip=True: self.tokenizer.decode(ids, skip_special_tokens=skip)
-        engine = TorchEngine(self.model, stop_token_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
-                             cfg.seed, self.decode)
+        engine = ServerEngine(self.model, stop_token_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
+                              self.decode, cfg.seed)
         self.scheduler = Scheduler(self.model, engine, self.name, cfg)
         self.vocab, self.max_model_len = self.model.config.vocab_size, self.model.config.max_position_embeddings
         # a text longer than this cannot fit in max_model_len tokens: refused before it is tokenized
@@ -148,7 +148,7 @@ class Server:
             raise P.BadRequest(f"the chat template failed on these messages: {e}", "messages") from None
         return await self.tokenize([text], "messages", chat=True)
 
-    def sampling(self, body: dict, prompts: list[list[int]], n: int, logprobs: int) -> SamplingParams:
+    def sampling(self, body: dict, prompts: list[list[int]], n: int, logprobs: int) -> ServerParams:
         for p in prompts:
             if not p:
                 raise P.BadRequest("The decoder prompt cannot be empty", "prompt")  # a text of no tokens
@@ -169,7 +169,7 @@ class Server:
             flag(body, key)
         max_tokens = number(body, "max_completion_tokens", number(body, "max_tokens", 16, 1, integer=True), 1,
                             integer=True)
-        return SamplingParams(
+        return ServerParams(
             n=n, seed=seed, logprobs=logprobs, stop=(stop,) if isinstance(stop, str) else tuple(stop),
             stop_token_ids=tuple(stop_ids), max_tokens=min(max_tokens, self.max_model_len - max(map(len, prompts))),
             ignore_eos=flag(body, "ignore_eos"), min_tokens=number(body, "min_tokens", 0, 0, max_tokens, integer=True),
@@ -310,8 +310,9 @@ class Server:
         return web.json_response({"status": "resumed"})
 
     async def server_info(self, request):
-        config = {"model_config": {"model": self.cfg.model, "max_model_len": self.max_model_len,
-                                   "max_logprobs": MAX_LOGPROBS, "logprobs_mode": "processed_logprobs"},
+        config = {"model_config": {"model": self.cfg.model, "dtype": str(self.model.dtype),  # "torch.float32", as vLLM
+                                   "max_model_len": self.max_model_len, "max_logprobs": MAX_LOGPROBS,
+                                   "logprobs_mode": "processed_logprobs"},
                   "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
                   "lora_config": {k: getattr(self.cfg, k) for k in ("max_lora_rank", "max_loras", "max_cpu_loras")}}
         as_json = request.query.get("config_format") == "json"

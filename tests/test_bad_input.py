@@ -202,13 +202,13 @@ def test_a_large_request_does_not_starve_a_small_one(server):
 def test_a_failing_batch_is_retried_one_request_at_a_time():
     """In-process: the scheduler and the engine, with a request no route would let through (a token id the
     embedding does not have): only that request gets the error."""
-    from minigrpo.engine import SamplingParams
     from minigrpo.serve import Server, ServeConfig
+    from minigrpo.serve_sampling import ServerParams
     server = Server(ServeConfig())
 
     async def batch():
         worker = asyncio.create_task(server.scheduler.run())
-        sp = SamplingParams(n=2, max_tokens=3, seed=0)
+        sp = ServerParams(n=2, max_tokens=3, seed=0)
         out = await asyncio.gather(*(server.scheduler.submit("demo", [p], sp) for p in ([2, 3], [2, 999], [4, 5])),
                                    return_exceptions=True)
         worker.cancel()

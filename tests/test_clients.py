@@ -90,6 +90,7 @@ def test_trl_async_grpo_requests_work_through_a_keyless_proxy(proxy):
     assert s.get(f"{url}/health").status_code == 200
     info = s.get(f"{url}/server_info", params={"config_format": "json"}).json()["vllm_config"]
     assert info["lora_config"]["max_loras"] >= 6 and info["parallel_config"]["data_parallel_size"] == 1
+    assert info["model_config"]["dtype"] == "torch.float32"  # VLLMClient.get_dtype() reads it
     assert s.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == 64
     assert s.post(f"{url}/pause", params={"mode": "keep"}).json() == {"status": "paused"}
     load = {"lora_name": "trl-policy-v1", "lora_path": str(path), "load_inplace": False}

@@ -124,14 +124,9 @@ def test_each_request_keeps_its_own_limits_and_stops():
     assert out[2][0].finish_reason == "stop"
 
 
-def test_tiny_top_p_is_greedy_and_top_logprobs_are_sorted():
+def test_tiny_top_p_is_greedy():
     engine = engine_for(tiny_model())
     greedy = engine.generate(PROMPTS, SP(max_tokens=5, temperature=0))
-    nucleus = engine.generate(PROMPTS, SP(max_tokens=5, top_p=1e-6, seed=1, logprobs=3))
+    nucleus = engine.generate(PROMPTS, SP(max_tokens=5, top_p=1e-6, seed=1))
     for g, c in zip(greedy, nucleus):
         assert c[0].token_ids == g[0].token_ids and all(lp == 0.0 for lp in c[0].logprobs)
-    full = engine.generate(PROMPTS, SP(max_tokens=5, seed=1, logprobs=3))[0][0]
-    for tok, lp, top in zip(full.token_ids, full.logprobs, full.top_logprobs):
-        values = list(top.values())
-        assert len(top) == 3 and values == sorted(values, reverse=True)
-        assert tok not in top or math.isclose(top[tok], lp, abs_tol=1e-6)

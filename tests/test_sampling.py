@@ -1,4 +1,4 @@
-"""vLLM's sampling parameters in the torch engine, each against a plain-Python reference with a fixed seed: the
+"""vLLM's sampling parameters in the replica server's engine (minigrpo/serve_sampling.py), each against a plain-Python reference with a fixed seed: the
 log-prob reported for every sampled token is the one the reference gives after all processors.
 
     python -m pytest -q tests/test_sampling.py
@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from minigrpo.engine import SamplingParams as SP, TorchEngine
+from minigrpo.serve_sampling import ServerEngine, ServerParams as SP
 
 PROMPTS = [[5, 6, 7, 8, 9, 5], [10, 11]]
 EOS = 1
@@ -59,7 +59,7 @@ CASES = {"plain": {}, "temperature": {"temperature": 0.6}, "logit_bias": {"logit
 def test_reported_logprob_is_the_reference_distribution_after_every_processor(case):
     model = tiny_model()
     sp = SP(n=3, max_tokens=8, seed=4, **CASES[case])
-    groups = TorchEngine(model, [EOS], 0).generate(PROMPTS, sp)
+    groups = ServerEngine(model, [EOS], 0, None).generate(PROMPTS, sp)
     for prompt, group in zip(PROMPTS, groups):
         for c in group:
             for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs)):
@@ -67,7 +67,7 @@ def test_reported_logprob_is_the_reference_distribution_after_every_processor(ca
 
 
 def test_logit_bias_of_100_forces_the_token_and_min_p_1_is_greedy():
-    engine = TorchEngine(tiny_model(), [EOS], 0)
+    engine = ServerEngine(tiny_model(), [EOS], 0, None)
     forced = engine.generate(PROMPTS, SP(n=2, max_tokens=5, seed=0, logit_bias={7: 100.0}))
     assert all(c.token_ids == [7] * 5 for g in forced for c in g)
     greedy = engine.generate(PROMPTS, SP(max_tokens=5, temperature=0))
@@ -75,7 +75,7 @@ def test_logit_bias_of_100_forces_the_token_and_min_p_1_is_greedy():
 
 
 def test_min_tokens_holds_back_stop_ids_and_ignore_eos_runs_to_the_limit():
-    engine = TorchEngine(tiny_model(), [EOS], 0)
+    engine = ServerEngine(tiny_model(), [EOS], 0, None)
     eos_everywhere = {EOS: 100.0}
     held = engine.generate(PROMPTS, SP(max_tokens=8, seed=1, min_tokens=3, logit_bias=eos_everywhere))
     assert all(c.token_ids[:3].count(EOS) == 0 and c.token_ids[3] == EOS and c.finish_reason == "stop"
@@ -87,14 +87,9 @@ def test_min_tokens_holds_back_stop_ids_and_ignore_eos_runs_to_the_limit():
     assert all(c.token_ids == [EOS] and c.stop_reason == EOS for g in by_id for c in g)
 
 
-def test_stop_strings_without_a_decode_are_refused_by_name():
-    with pytest.raises(ValueError, match="stop strings need an engine built with decode="):
-        TorchEngine(tiny_model(), [], 0).generate(PROMPTS, SP(max_tokens=3, stop=("a",)))
-
-
 def test_a_stop_string_ends_the_row_and_cuts_the_text_before_it():
     letters = lambda ids: "".join(chr(ord("a") + t % 26) for t in ids)  # a decode: one letter per token
-    engine = TorchEngine(tiny_model(), [], 0, decode=letters)
+    engine = ServerEngine(tiny_model(), [], 0, letters)
     free = engine.generate(PROMPTS, SP(n=4, max_tokens=10, seed=2))
     for stop in ("e", "fg", "zzz"):
         cut = engine.generate(PROMPTS, SP(n=4, max_tokens=10, seed=2, stop=(stop,)))
@@ -107,3 +102,13 @@ def test_a_stop_string_ends_the_row_and_cuts_the_text_before_it():
                 assert c.token_ids == f.token_ids[:end] and c.logprobs == f.logprobs[:end]
                 assert (c.finish_reason, c.stop_reason, c.text) == ("stop", stop, text[:text.index(stop)])
 
+
+
+def test_top_logprobs_are_sorted_and_score_the_sampled_token_as_it_was_drawn():
+    engine = ServerEngine(tiny_model(), [EOS], 0, None)
+    assert engine.generate(PROMPTS, SP(max_tokens=4, seed=2))[0][0].top_logprobs is None
+    full = engine.generate(PROMPTS, SP(max_tokens=5, seed=1, logprobs=3))
+    for tok, lp, top in zip(full[0][0].token_ids, full[0][0].logprobs, full[0][0].top_logprobs):
+        values = list(top.values())
+        assert len(top) == 3 and values == sorted(values, reverse=True)
+        assert tok not in top or math.isclose(top[tok], lp, abs_tol=1e-6)

@@ -10,7 +10,7 @@ import asyncio
 import collections
 import threading
 
-from minigrpo.engine import Completion, SamplingParams
+from minigrpo.serve_sampling import Choice, ServerParams
 from minigrpo.lora import apply_adapter, check_adapter, check_config, read_adapter
 
 
@@ -22,12 +22,12 @@ BASE = Weights(0, 0.0, {}, "")  # the base model: every LoRA layer zeroed and sw
 class Job:
     """One request: its prompts, each sampled n times, and the future its handler awaits."""
 
-    def __init__(self, model: str, prompts: list[list[int]], params: SamplingParams, future: asyncio.Future):
+    def __init__(self, model: str, prompts: list[list[int]], params: ServerParams, future: asyncio.Future):
         self.model, self.prompts, self.params, self.future = model, prompts, params, future  # model: base or adapter
         self.waiting = collections.deque(range(len(prompts)))  # prompts not yet in a round
-        self.results = [None] * len(prompts)  # per prompt, its n Completions once sampled
+        self.results = [None] * len(prompts)  # per prompt, its n Choices once sampled
 
-    def finish(self, i: int, completions: list[Completion]):
+    def finish(self, i: int, completions: list[Choice]):
         self.results[i] = completions
         if None not in self.results and not self.future.done():
             self.future.set_result(self.results)
@@ -86,7 +86,7 @@ class Scheduler:
         apply_adapter(self.model, w.tensors, w.r, w.scaling)
         self.engine.digest, self.active = w.digest, target
 
-    async def submit(self, model: str, prompts: list[list[int]], params: SamplingParams):
+    async def submit(self, model: str, prompts: list[list[int]], params: ServerParams):
         job = Job(model, prompts, params, asyncio.get_running_loop().create_future())
         self.jobs.append(job)
         self.wake.set()
@@ -106,7 +106,7 @@ class Scheduler:
         self.jobs = collections.deque(j for j in self.jobs if j.waiting)
         return units
 
-    def sample(self, name: str, units: list[tuple[Job, int]]) -> list[list[Completion]]:
+    def sample(self, name: str, units: list[tuple[Job, int]]) -> list[list[Choice]]:
         self.switch(name)
         return self.engine.generate([job.prompts[i] for job, i in units], [job.params for job, _ in units])
 
@@ -140,7 +140,7 @@ class Scheduler:
         elif mode == "abort":  # prompts not yet sampled end now, as aborted
             for job in self.jobs:
                 while job.waiting:
-                    job.finish(job.waiting.popleft(), [Completion([], [], "abort")] * job.params.n)
+                    job.finish(job.waiting.popleft(), [Choice([], [], "abort")] * job.params.n)
             self.jobs.clear()
 
     def resume(self):
