@@ -143,7 +143,7 @@ class HeadLogprobs(torch.autograd.Function):
             logp[s:s + chunk] = z.gather(1, y[:, None]).squeeze(1) - lse
             entropy[s:s + chunk] = lse - (p[:, None] @ z[:, :, None]).view(c)  # sum_v p z without a (c, V) product
             if grad is not None:
-                p[torch.arange(c), y] -= 1  # p - onehot(y) = -d logp / d z
+                p.scatter_add_(1, y[:, None], p.new_full((c, 1), -1.0))  # p - onehot(y) = -d logp / d z, on the device
                 p_w = p if out.dtype == torch.float32 else out[:c].copy_(p)  # in the head's dtype, into its buffer
                 grad[s:s + chunk] = -(p_w @ weight).float() / temperature  # (c, H)
         ctx.save_for_backward(grad)
