@@ -2,19 +2,14 @@
 
 reverse_add, the demo task: "12+34=" -> "64", the sum 46 written backwards: the digits in reverse order make the
 carry local, so a 2-layer model can learn it. math: problems from --task_data (README, "Real models"); the reward
-is 1 when the last \\boxed{...} (after the one </think> of a reasoning model) equals the reference, compared
-after normalising (spacing, \\left/\\right, \\dfrac, \\text{}, degrees, numbers), else by math-verify.
+is 1 when the last \\boxed{...} (after the one </think> of a reasoning model) equals the reference as math-verify
+judges it: spacing, \\left/\\right, \\dfrac, \\text{}, degrees, 1,000, 1/2 = 0.5 = \\frac{1}{2}, (x+1)^2 = x^2+2x+1.
 """
 import json
-import math
 import random
-import re
 from dataclasses import dataclass
 
-try:
-    import math_verify
-except ImportError:  # optional: the normalised comparison below still grades
-    math_verify = None
+import math_verify
 
 
 @dataclass
@@ -71,37 +66,14 @@ def last_boxed(text: str) -> str | None:
     return None  # unbalanced: cut off before the answer closed
 
 
-def normalize(answer: str) -> str:
-    s = re.sub(r"\\text\{([^}]*)\}", r"\1", answer)  # \text{12} -> 12
-    for old, new in (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\left", ""), ("\\right", ""), ("\\!", ""),
-                     ("\\,", ""), ("^\\circ", ""), ("^{\\circ}", ""), ("$", ""), (" ", "")):  # in this order
-        s = s.replace(old, new)
-    return s.rstrip(".").strip()
-
-
-def as_number(s: str) -> float:  # nan when s is not a number
-    m = re.fullmatch(r"(-?)\\frac\{?(-?[\d.]+)\}?\{?(-?[\d.]+)\}?", s) or re.fullmatch(r"(-?)([\d.]+)/([\d.]+)", s)
-    try:
-        if m:
-            return (-1 if m.group(1) else 1) * float(m.group(2)) / float(m.group(3))
-        return float(s.replace(",", ""))
-    except (ValueError, ZeroDivisionError):
-        return math.nan
-
-
 def math_reward(completion: str, answer: str, reasoning: bool = False) -> float:
     if reasoning and completion.count("</think>") != 1:  # grade only what follows the single end of thinking
         return 0.0
     pred = last_boxed(completion.split("</think>")[1] if reasoning else completion)
-    if pred is None:
-        return 0.0
-    a, b = normalize(pred), normalize(answer)
-    if a == b or math.isclose(as_number(a), as_number(b), rel_tol=1e-6, abs_tol=1e-9):
-        return 1.0
-    if math_verify is not None:  # symbolic equivalence; its own timeouts keep a pathological answer from blocking
-        gold = math_verify.parse(f"${answer}$", parsing_timeout=1)
-        return float(math_verify.verify(gold, math_verify.parse(f"$\\boxed{{{pred}}}$", parsing_timeout=1), timeout_seconds=1))
-    return 0.0
+    if pred is None or pred.strip() == answer.strip():  # no answer, or the same text: no parsing needed
+        return float(pred is not None)
+    gold, said = (math_verify.parse(text, parsing_timeout=5) for text in (f"${answer}$", f"$\\boxed{{{pred}}}$"))
+    return float(math_verify.verify(gold, said, timeout_seconds=5))  # timeouts bound a pathological answer
 
 
 class MathTask:

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from minigrpo import tasks
 from minigrpo.demo import build_tokenizer
 from minigrpo.run import RunSettings
 from minigrpo.tasks import last_boxed, make_task, math_reward, prompt_ids
@@ -33,22 +32,14 @@ def test_reasoning_models_are_graded_after_the_one_end_of_thinking():
 
 @pytest.mark.parametrize("pred, gold", [("0.5", r"\frac{1}{2}"), (r"\dfrac{1}{2}", "1/2"), (r"\frac12", "0.5"),
                                         (r"90^\circ", "90"), (r"\text{12}", "12"), ("1,000", "1000"), (r"\left(3\right)", "(3)"),
-                                        ("-2", r"-\frac{4}{2}")])
-def test_equivalent_answers_score_one_without_math_verify(monkeypatch, pred, gold):
-    monkeypatch.setattr(tasks, "math_verify", None)
+                                        ("-2", r"-\frac{4}{2}"), (r"(x+1)^2", "x^2+2x+1")])
+def test_equivalent_answers_score_one(pred, gold):
     assert math_reward(rf"The answer is \boxed{{{pred}}}.", gold) == 1.0
 
 
 @pytest.mark.parametrize("completion", ["no answer at all", r"\boxed{}", r"\boxed{5}", r"\boxed{\frac{1}{0}}", "\\boxed{" * 50])
 def test_garbage_and_wrong_answers_score_zero(completion):
     assert math_reward(completion, "4") == 0.0
-
-
-def test_math_verify_decides_symbolic_equivalence_when_installed(monkeypatch):
-    assert tasks.math_verify is not None, "requirements.txt installs math-verify"
-    assert math_reward(r"\boxed{(x+1)^2}", "x^2+2x+1") == 1.0
-    monkeypatch.setattr(tasks, "math_verify", None)
-    assert math_reward(r"\boxed{(x+1)^2}", "x^2+2x+1") == 0.0  # the plain comparison is careful, not clever
 
 
 def test_math_task_reads_a_jsonl_with_its_own_field_names(tmp_path):
