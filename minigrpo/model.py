@@ -13,34 +13,27 @@ from transformers.utils import logging as hf_logging
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
 
 
-def packed_attention(module, query, key, value, attention_mask, position_ids=None, packed_plan=None, **kwargs):
-    """transformers' SDPA attention, except on a packed row (no mask, position ids restarting at 0 at each sequence):
-    there each sequence attends causally to itself alone, the k runs of one length L in one SDPA call, where a
-    block-diagonal mask would compute all N x N scores and discard most. A run whose positions restart at q > 0 is
-    a branch: it attends to the first q tokens of its sequence, then causally to itself. So the G completions of a
-    prompt share one copy of it (packing.collate), exactly: the prompt's states do not depend on what follows them,
-    and the gradient through them is the sum of the completions' gradients either way. packed_logprobs reads the
-    row's layout once (plan_packed_row) and passes it to every layer; another caller's row is read here."""
-    N = query.shape[2]  # query (1, heads, N, head_dim)
-    plan = None
-    if attention_mask is None and position_ids is not None and query.shape[0] == 1 and key.shape[2] == N:
-        plan = packed_plan if packed_plan is not None else plan_packed_row(position_ids)
-    if plan is None:
+def packed_attention(module, query, key, value, attention_mask, packed_plan=None, **kwargs):
+    """transformers' SDPA attention, except on a packed row, given its plan (packed_logprobs reads it once, with
+    plan_packed_row, for every layer): there each sequence attends causally to itself alone, the k runs of one length
+    L in one SDPA call, where a block-diagonal mask would compute all N x N scores and discard most. A run whose
+    positions restart at q > 0 is a branch: it attends to the first q tokens of its sequence, then causally to
+    itself. So the G completions of a prompt share one copy of it (packing.collate), exactly: the prompt's states do
+    not depend on what follows them, and the gradient through them is the sum of the completions' gradients."""
+    if packed_plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows = lambda x, i: x[0][:, i].transpose(0, 1)  # noqa: E731 (heads, N, d) -> (k, heads, len, d)
-    out = query.new_empty(N, query.shape[1], value.shape[3])  # (N, heads, head_dim)
-    for idx, keys, mask in plan:
+    out = query.new_empty(query.shape[2], query.shape[1], value.shape[3])  # (N, heads, head_dim)
+    for idx, keys, mask in packed_plan:
         part = sdpa_attention_forward(module, rows(query, idx), rows(key, keys), rows(value, keys), mask, **kwargs)[0]
         out[idx.flatten()] = part.flatten(0, 1)  # part (k, L, heads, d)
     return out[None], None
 
 
-def plan_packed_row(position_ids: torch.Tensor) -> list[tuple] | None:
+def plan_packed_row(position_ids: torch.Tensor) -> list[tuple]:
     """For packed position ids (1, N), read on the host: per run length L, the runs' token indices (k, L), the keys
-    each attends to and the mask over them. None if the row is not packed (it does not start at position 0)."""
+    each attends to and the mask over them."""
     pos, dev = position_ids[0], position_ids.device
-    if pos[0] != 0:
-        return None
     starts = [0] + ((pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1).tolist()
     runs = {}  # run length L -> [(start, q, start of its sequence)]
     for s, e, q in zip(starts, starts[1:] + [len(pos)], pos[starts].tolist()):
