@@ -9,6 +9,7 @@ import json
 import random
 from dataclasses import dataclass
 
+import fsspec
 import math_verify
 
 
@@ -39,17 +40,11 @@ class ReverseAddition:
 
 
 def read_rows(path: str) -> list[dict]:
-    if path.startswith("hf://datasets/"):
-        from huggingface_hub import hf_hub_download
-        owner, name, filename = path.removeprefix("hf://datasets/").split("/", 2)
-        path = hf_hub_download(f"{owner}/{name}", filename, repo_type="dataset")
-    if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise SystemExit(f"reading {path} needs pyarrow: pip install pyarrow (or convert it to JSONL)")
-        return pq.read_table(path).to_pylist()
-    with open(path) as f:
+    """The rows of a .jsonl or .parquet file: a local path or a URL (hf://datasets/OWNER/NAME/FILE, s3://, gs://)."""
+    with fsspec.open(path, "rb") as f:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq  # only parquet needs it: pip install pyarrow
+            return pq.read_table(f).to_pylist()
         return [json.loads(line) for line in f if line.strip()]
 
 
