@@ -41,11 +41,9 @@ def per_row(rows, field: str, device, dtype=torch.float32) -> torch.Tensor:  # (
 
 
 class Sampler:
-    """One batch's sampling rules. rows: (prompt, params, sample index) per row; eos: the model's stop ids.
-        logp = log_softmax(logits / temperature), then top_p: the tokens past the best ones whose probability
-        reaches top_p are dropped, the rest renormalised.
-    A row ends at its first stop id (its own, then EOS). The replica server's subclass adds vLLM's other sampling
-    parameters (serve_sampling.py) through these methods."""
+    """One batch's rules, rows being (prompt, params, sample index): logp = log_softmax(logits / temperature), then
+    top_p, renormalised; a row ends at its first stop id (its own or EOS). The replica server's subclass
+    (serve_sampling.py) adds vLLM's other sampling parameters through these methods."""
 
     def __init__(self, rows, eos: list[int], device):
         self.temperature = per_row(rows, "temperature", device)[:, None].clamp(min=1e-6)  # (B, 1) greedy as 1e-6
