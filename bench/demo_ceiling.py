@@ -1,8 +1,10 @@
-"""How sharp can the demo model get? Its output head is tied to the frozen embeddings and fed by the frozen final
-RMSNorm, so whatever LoRA (or any change below that norm) does, the last hidden state is g * x with x of norm
-sqrt(hidden) and g fixed, and a token's probability can only rise as far as that sphere allows. This finds, for
-each token, the highest probability any such hidden state gives it (gradient ascent over the sphere, 3 starts),
-then the highest held-out pass@1 at T=1 those allow: the product over each answer's tokens and EOS.
+"""How sharp can the demo model get? LoRA trains only the attention and MLP projections (minigrpo/lora.py), so the
+output head W (the demo's is its own matrix, not the embeddings) and the final RMSNorm's gain g stay frozen.
+Whatever LoRA does below that norm, the last hidden state is g * x with x of norm sqrt(hidden), and the logits are
+W (g * x): a token's probability can only rise as far as that sphere allows. This finds, for each token, the highest
+probability any such hidden state gives it (gradient ascent over the sphere, 3 starts), then the highest held-out
+pass@1 at T=1 those allow: the mean over problems of the product over each answer's tokens and EOS. With a tied
+head, W is the embedding matrix, and the same bound holds.
 
 With --adapter, it also scores that adapter on the same problems: greedy, and at T=1 with --samples draws per
 problem (how far it is from sampling what it knows).
@@ -46,7 +48,7 @@ def main():
     args = p.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_model("demo", torch.device("cpu"))
-    E, g = model.get_output_embeddings().weight, model.model.norm.weight  # frozen: requires_grad is off
+    E, g = model.get_output_embeddings().weight, model.model.norm.weight  # the head W and the gain: both frozen
     top = {y: best_probability(E, g, y) for y in range(E.shape[0])}
     task, run = ReverseAddition(), RunSettings()
     problems = task.eval_problems(args.eval_size)
