@@ -9,6 +9,7 @@ step"). It shares nothing with the trainer but the run directory: start as many 
     python generate.py --engine vllm --model Qwen/Qwen2.5-Math-1.5B ...          # vLLM in-process, one GPU
 """
 import collections
+import contextlib
 import os
 import random
 import socket
@@ -27,7 +28,7 @@ from minigrpo.lora import inject_lora
 from minigrpo.model import load_model, pick_device, resolve_model, stop_token_ids
 from minigrpo.remote import HttpEngine, ServerError, VllmEngine
 from minigrpo.rollouts import Group, RolloutBuffer
-from minigrpo.run import Metrics, RunSettings, join_run, parse_config, read_json
+from minigrpo.run import Metrics, RunSettings, Watch, join_run, lease_view, parse_config
 from minigrpo.storage import Storage
 from minigrpo.tasks import make_task, prompt_ids, score
 
@@ -72,13 +73,22 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
                       cfg.gpu_memory_utilization, run.max_prompt_len, run.max_new_tokens), tokenizer
 
 
-def waiting_groups(buffer: RolloutBuffer, mine: list) -> tuple[int, dict]:
-    """(groups not consumed yet, the trainer's lease). Not consumed: what a live trainer saw waiting at `waiting_at`
-    plus what this generator wrote since; without a live lease, the listing of rollouts/ less what it consumed."""
-    lease = read_json(buffer.storage, "owner.json") or {}
-    if "waiting" not in lease or time.time() - lease["heartbeat"] > lease["timeout_s"]:
-        return len(buffer.listed()) - lease.get("pending", 0), lease
-    return lease["waiting"] + sum(n for t, n in mine if t > lease["waiting_at"]), lease
+def waiting_groups(buffer: RolloutBuffer, watch: Watch, writer: str, written: int, batch: int) -> tuple[int, dict]:
+    """(groups that will wait for the trainer once this generator writes its next batch, the trainer's lease), counted
+    so that N generators together stay within --max_ready. A live lease (changed within its timeout, on this
+    process's clock) tells what waited at the trainer's last listing, each writer's last group in it and how many
+    writers are at work: each takes an equal share of the room, so its own groups since that listing count N times.
+    0 while the trainer waits for more than there is. Without a live lease, or before the trainer has listed this
+    generator's groups: the listing of rollouts/, less what the trainer consumed."""
+    raw = None
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        raw = buffer.storage.get("owner.json")
+    lease = lease_view(raw)
+    unseen, n = written - 1 - lease["seen"].get(writer, -1), lease["writers"] + (writer not in lease["seen"])
+    if watch.unchanged_s(raw) > lease["timeout_s"] or lease["waiting"] < 0 or unseen and writer not in lease["seen"]:
+        waiting = len(buffer.listed()) - lease["pending"]
+        return 0 if waiting < lease["groups_per_step"] else waiting + batch, lease
+    return 0 if not unseen and lease["waiting"] < lease["groups_per_step"] else lease["waiting"] + n * (unseen + batch), lease
 
 
 def main():
@@ -100,16 +110,16 @@ def main():
           f"{cfg.prompts_per_batch * run.group_size} completions per batch\n  {asdict(run)}\n  {asdict(cfg)}", flush=True)
 
     batch = written = 0
-    mine = collections.deque(maxlen=1000)  # (time, groups) of this generator's writes, for backpressure
+    watch = Watch()  # how long the lease has stayed the same: a dead trainer's tells nothing any more
     skipped, made = set(), collections.Counter()  # adapter versions that could not be loaded; groups per version
     idle_since, say_at = time.time(), time.time() + 10  # say_at: when to say, once, that no adapter came yet
     while (not cfg.max_batches or batch < cfg.max_batches) and not storage.exists("DONE"):
-        # backpressure: wait while max_ready groups wait. Lock-step: once this version has sampled a trainer step's
-        # groups (in whole batches), wait for the next version
-        waiting, lease = waiting_groups(buffer, mine)
-        lockstep = (cfg.lockstep and made.get(engine.version, 0) >= lease.get("groups_per_step", 1)
+        # backpressure: wait while the next batch would leave more than max_ready groups waiting. Lock-step: once
+        # this version has sampled a trainer step's groups (in whole batches), wait for the next version
+        waiting, lease = waiting_groups(buffer, watch, writer, written, cfg.prompts_per_batch)
+        lockstep = (cfg.lockstep and made.get(engine.version, 0) >= lease["groups_per_step"]
                     and (store.latest() or 0) <= engine.version)
-        if waiting >= cfg.max_ready or lockstep:
+        if waiting > cfg.max_ready or lockstep:
             time.sleep(poll_s)
             continue
         backpressure_s, t0 = time.time() - idle_since, time.time()
@@ -142,7 +152,6 @@ def main():
             temperature=run.temperature, adapter_digest=group[0].adapter_digest, started_at=started,
             finished_at=time.time()) for prompt, group, r in zip(prompts, completions, rewards)]
         written += len(buffer.write(groups, writer, seq=written))
-        mine.append((time.time(), len(prompts)))
         made[version] += len(prompts)
         batch += 1
 

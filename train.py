@@ -78,8 +78,8 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
 
 # ---------------------------------------------------------------------------------------------------------------
 def report_progress(lease, ledger, buffer, **more):
-    """Tell the generators, through the lease, what this trainer consumed and how many groups it saw waiting."""
-    lease.write(pending=ledger.pending(), waiting=len(buffer.order), waiting_at=buffer.listed_at, **more)
+    """Tell the generators, through the lease, what this trainer consumed and what it saw waiting at its listing."""
+    lease.write(pending=ledger.pending(), **buffer.progress(), **more)
 
 
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
@@ -196,13 +196,15 @@ def evaluate(engine, tokenizer, task, problems, run, seed) -> float:
     return sum(r[0] for r in score(task, tokenizer, problems, engine.generate(prompts, params))) / len(problems)
 
 
-def publish(store, model, version, config, run, step) -> float:
-    """Write adapter version `version`, then point LATEST at it. Returns the seconds it took."""
+def publish(store, lease, model, version, config, run, step) -> tuple[int, float]:
+    """Write an adapter version (`version`, or the next name nobody claimed), then point LATEST at it while this
+    trainer holds the lease. Returns (the version, the seconds it took)."""
     t0 = time.time()
-    store.write(version, lora_state_dict(model), config)
+    fault("before_publish", step)
+    version = store.write(version, lora_state_dict(model), config)
     fault("before_latest", step)
-    store.set_latest(version, keep=run.max_staleness + 1)
-    return time.time() - t0
+    lease.fenced(store.set_latest, version, keep=run.max_staleness + 1)
+    return version, time.time() - t0
 
 
 def check_settings(saved: dict, cfg) -> list[str]:
@@ -213,12 +215,13 @@ def check_settings(saved: dict, cfg) -> list[str]:
             if k not in free and k in saved and saved[k] != v]
 
 
-def resume(storage, model, optimizer, cfg) -> dict | None:
-    """Load the newest intact checkpoint into model and optimizer. Returns its state, or None for a new run."""
-    state, skipped = load_checkpoint(storage, model, optimizer)
+def resume(storage, model, optimizer, cfg, committed) -> dict | None:
+    """Load the newest intact checkpoint the lease committed (committed None: of all there are) into model and
+    optimizer. Returns its state, or None for a new run: none was committed, or none was ever complete."""
+    state, skipped = load_checkpoint(storage, model, optimizer, committed)
     for s in skipped:
         print(f"skipped checkpoint {s}", flush=True)
-    if state is None and skipped:
+    if state is None and any("damaged" in s for s in skipped):
         raise SystemExit(f"no intact checkpoint in {storage.url('checkpoints')} (see above); restore one or start a "
                          f"new run with another --run_dir")
     if state is None:
@@ -226,8 +229,7 @@ def resume(storage, model, optimizer, cfg) -> dict | None:
     if (changed := check_settings(state["config"], cfg)) and not cfg.allow_new_settings:
         raise SystemExit("resuming with other training settings than the checkpoint's:\n  " + "\n  ".join(changed) +
                          "\nuse the same flags, or pass --allow_new_settings true to change them on purpose")
-    step = state["step"]
-    print(f"resumed from {storage.url(f'checkpoints/step-{step:06d}')} (step {step})", flush=True)
+    print(f"resumed from {storage.url('checkpoints/' + state['name'])} (step {state['step']})", flush=True)
     return state
 
 
@@ -271,7 +273,7 @@ def main():
     eval_problems = task.eval_problems(cfg.eval_size)
     peft_config = adapter_config(run.lora_r, run.lora_alpha, run.lora_targets, resolve_model(run.model))
 
-    state = resume(storage, model, optimizer, cfg)
+    state = resume(storage, model, optimizer, cfg, share(lease and lease.info["checkpoints"], world))
     counters = ("dropped_stale_total", "dropped_zero_std_total", "bad_total", "attribution_mismatch")
     step, stats = (state["step"], state["stats"]) if state else (0, dict.fromkeys(counters, 0))
     same_start(params, world)
@@ -282,11 +284,11 @@ def main():
         dist.destroy_process_group()
         return
     ledger = Ledger(state and state["ledger"])
-    buffer.collect(ledger.collect)  # idempotent: a crash may have cut the last garbage collection short
-    store, metrics = AdapterStore(storage, meta["run_id"]), Metrics(storage, "train")
+    buffer.collect(ledger.collect, lease.fenced)  # idempotent: a crash may have cut the last garbage collection short
+    store, metrics = AdapterStore(storage, meta["run_id"]), Metrics(storage, f"train-e{lease.info['epoch']:06d}")
     # ---- publish first: version 0 is the untrained adapter, a resume publishes its weights under a new name ----
     version = store.next_version(at_least=state["version"] + 1 if state else 0)
-    publish(store, model, version, peft_config, run, step)
+    version = publish(store, lease, model, version, peft_config, run, step)[0]
     adapter_mb = sum(p.numel() for p in params) * 4 / 2**20
     print(f"trainer on {device}: {cfg.groups_per_step} groups x G={G} = {cfg.groups_per_step * G} completions per "
           f"step, {cfg.max_steps} steps, max_staleness {run.max_staleness}, adapter {adapter_mb:.2f} MB "
@@ -300,7 +302,6 @@ def main():
     while step < cfg.max_steps:
         step += 1
         t0 = time.time()
-        lease.check()
         validate = partial(check_group, run=meta, vocab_size=model.config.vocab_size, version=version,
                            digest_of=store.digest)
         groups, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, stats)
@@ -312,7 +313,7 @@ def main():
         fwd_bwd_s, sync_s = time.time() - t1, 0.0
         if step % cfg.sync_every == 0:
             version += 1
-            sync_s = publish(store, model, version, peft_config, run, step)
+            version, sync_s = publish(store, lease, model, version, peft_config, run, step)
         # the record's version is the one this step just published; staleness was measured before it
         record = step_record(step, version, groups, staleness, rewards, lengths, m, stats, run)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
@@ -321,23 +322,25 @@ def main():
                    "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s, "perf/step_s": time.time() - t0,
                    "lr": cfg.lr, "time": time.time()}
         acc = f" | eval/accuracy {record['eval/accuracy']:.3f}" if "eval/accuracy" in record else ""
-        # the record comes before the checkpoint that covers it: a redone step writes a newer one
+        # the record comes before the checkpoint that covers it: a redone step's newer life writes a newer one
+        fault("before_metrics", step)
         metrics.log(record, f"step {step}/{cfg.max_steps} | reward {record['reward/mean']:.3f} | "
                             f"ratio {m['ratio/mean']:.4f} | clip {m['clip_ratio/low']:.3f}/{m['clip_ratio/high']:.3f} | "
                             f"stale {record['sample/staleness_mean']:.1f} | v{version} | wait {wait_s:.2f}s | "
                             f"dt {record['perf/step_s']:.2f}s{acc}")
         fault("after_metrics", step)
         if step % cfg.save_every == 0 or step == cfg.max_steps:
-            save_checkpoint(storage, step, lora_state_dict(model), peft_config, optimizer,
-                            {"stats": stats, "version": version, "ledger": ledger.state(), "run": asdict(run),
-                             "config": asdict(cfg)})
+            name = save_checkpoint(storage, step, lease.info["epoch"], lora_state_dict(model), peft_config, optimizer,
+                                   {"stats": stats, "version": version, "ledger": ledger.state(), "run": asdict(run),
+                                    "config": asdict(cfg)})
+            lease.write(checkpoints=[*(lease.info["checkpoints"] or [])[-1:], name])  # the commit: fails once deposed
             fault("after_checkpoint", step)
             ledger.advance()
-            buffer.collect(ledger.collect, fault_step=step)  # now covered by both kept checkpoints
-            prune_checkpoints(storage)
+            buffer.collect(ledger.collect, lease.fenced, fault_step=step)  # now covered by both kept checkpoints
+            lease.fenced(prune_checkpoints, storage, lease.info["checkpoints"])
 
-    storage.put("DONE", f"finished at step {step}, version {version}\n")
-    buffer.collect(ledger.consumed)  # nothing resumes a finished run: what the last checkpoint covers can go
+    lease.fenced(storage.put, "DONE", f"finished at step {step}, version {version}\n")
+    buffer.collect(ledger.consumed, lease.fenced)  # nothing resumes a finished run: what the last checkpoint covers can go
     lease.release()
     print(f"done: {cfg.run_dir} (DONE written)", flush=True)
     if world > 1:

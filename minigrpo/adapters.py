@@ -2,7 +2,9 @@
 
 Version v is the PEFT directory RUN/adapters/policy-<run id>-v<v:06d>/ (v0, with B = 0, is exactly the base model),
 named by RUN/adapters/LATEST once its weights, written last, exist. A name always means one set of weights (vLLM
-keys its prefix cache by adapter name), so names carry the run id and are never reused, not even after a crash.
+keys its prefix cache by adapter name), so names carry the run id, and a version's adapter_config.json claims its
+name with a create-only write and stays when retention deletes the weights: no name is written twice, not by a
+restart, not by a trainer that lost its lease.
 """
 import contextlib
 import re
@@ -12,7 +14,7 @@ from minigrpo.lora import adapter_digest, adapter_files
 
 class AdapterStore:
     def __init__(self, storage, run_id: str):
-        self.storage, self.run_id, self.digests = storage, run_id, {}
+        self.storage, self.run_id, self.digests, self.token, self.kept_from = storage, run_id, {}, None, None
         self.pattern = re.compile(rf"^policy-{re.escape(run_id)}-v(\d{{6,}})$")
 
     def name(self, version: int) -> str:
@@ -30,29 +32,40 @@ class AdapterStore:
                 return int(m.group(1))
 
     def next_version(self, at_least: int = 0) -> int:
-        """One past the highest version ever written, so that no name is reused after a restart."""
-        v = max([at_least - 1, self.latest() or -1, *self.versions()]) + 1
-        while self.storage.exists(f"adapters/{self.name(v)}/adapter_config.json"):  # a listing that lagged
-            v += 1
-        return v
+        """One past the highest version named or listed (write() skips any name a lagging listing hid)."""
+        return max([at_least - 1, self.latest() or -1, *self.versions()]) + 1
 
-    def write(self, version: int, state: dict, config: dict):
-        """A version's files, the weights last. Nobody loads it until set_latest() names it."""
+    def write(self, version: int, state: dict, config: dict) -> int:
+        """A version's files under the first unclaimed name from `version` on, the weights last. Returns the version
+        it used. Nobody loads it until set_latest() names it."""
         files = adapter_files(state, config)
-        for file, data in files.items():
-            self.storage.put(f"adapters/{self.name(version)}/{file}", data)
+        while True:
+            try:
+                self.storage.put(f"adapters/{self.name(version)}/adapter_config.json", files["adapter_config.json"], create=True)
+                break
+            except FileExistsError:
+                version += 1
+        self.storage.put(f"adapters/{self.name(version)}/adapter_model.safetensors", files["adapter_model.safetensors"])
         self.digests[version] = adapter_digest(files["adapter_model.safetensors"])
+        return version
 
     def set_latest(self, version: int, keep: int):
-        """Point LATEST at a written version, then delete versions that left the window one publish ago."""
-        self.storage.put("adapters/LATEST", self.name(version) + "\n")
-        for old in self.versions():
-            if old < version - keep:  # grace of one publish: a server may re-read an evicted adapter from its path
-                self.storage.delete(f"adapters/{self.name(old)}", recursive=True)
-                self.digests.pop(old, None)
+        """Point LATEST at a written version (a conditional write), then delete the weights of versions that left the
+        window one publish ago: a server may re-read an evicted adapter from its path."""
+        try:
+            self.token = self.storage.swap("adapters/LATEST", self.name(version) + "\n",
+                                           self.token or self.storage.versioned("adapters/LATEST")[1])
+        except FileExistsError:
+            self.token = None  # read it again on the next try
+            raise
+        old = range(max(0, version - keep - 1) if self.kept_from is None else self.kept_from, version - keep)
+        self.storage.delete([f"adapters/{self.name(v)}/adapter_model.safetensors" for v in old])
+        self.kept_from = max(old.start, version - keep)
+        for v in old:
+            self.digests.pop(v, None)
 
     def digest(self, version: int) -> str:
-        """The digest of a version's weights ("" if it is gone), computed once."""
+        """The digest of a version's weights ("" if they are gone), computed once."""
         if version not in self.digests:
             with contextlib.suppress(FileNotFoundError):
                 weights = self.storage.get(f"adapters/{self.name(version)}/adapter_model.safetensors")

@@ -21,8 +21,8 @@ def right_axis(panel, title: str, curves: list[tuple], loc="upper right"):
 
 
 def plot_run(run_dir: str, out: str) -> str:
-    storage = Storage(run_dir)
-    by_step = latest_per_step(read_records(storage, "train"))  # a step redone after a resume: the last record
+    storage, bad = Storage(run_dir), []
+    by_step = latest_per_step(read_records(storage, "train", bad))  # a step redone after a resume: the newest life's
     train = [by_step[s] for s in sorted(by_step)]
     steps = [r for r in train if r["step"] > 0]
     x = [r["step"] for r in steps]
@@ -56,12 +56,13 @@ def plot_run(run_dir: str, out: str) -> str:
     timing.set_title("where a step's time goes (s)")
 
     queue.plot(x, col("sample/rollout_queue_size"), label="groups waiting for the trainer")
-    gens = [r for r in read_records(storage, "generate-") if steps and r["time"] >= steps[0]["time"]]
+    t0 = steps[0].get("time", 0) if steps else float("inf")
+    gens = [r for r in read_records(storage, "generate-", bad) if isinstance(r.get("time"), (int, float)) and r["time"] >= t0]
     backpressure = []  # each generator's cumulative backpressure, its wall time put on the step axis
     for name in sorted({r.get("generator", "") for r in gens}):
         g = [r for r in gens if r.get("generator", "") == name]
-        at = np.interp([r["time"] for r in g], [r["time"] for r in steps], x)
-        cum = np.cumsum([r["rollout/backpressure_s"] for r in g])
+        at = np.interp([r["time"] for r in g], [r.get("time", 0) for r in steps], x)
+        cum = np.cumsum([r.get("rollout/backpressure_s", 0) for r in g])
         backpressure.append((at, cum, f"backpressure s (cum.) {name}", "C3"))
     right_axis(queue, "rollout queue against generator backpressure", backpressure, loc="lower right")
 
@@ -75,6 +76,8 @@ def plot_run(run_dir: str, out: str) -> str:
         a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
+    if bad:
+        print(f"skipped {len(bad)} lines that are not JSON records, first {bad[0]}", flush=True)
     return out
 
 

@@ -3,10 +3,12 @@ of one prompt, all sampled with one adapter version) is one safetensors object, 
 written once and never moved: tensors for the ids and log-probs, string metadata for the rest. Also here: the
 trainer's Ledger of consumed groups, quarantine and garbage collection (README, "The run directory").
 """
+import errno
+import hashlib
 import itertools
 import json
 import math
-import time
+import re
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +22,8 @@ INTS = (torch.int64, torch.int32)
 DTYPES = {"prompt_ids": INTS, "completion_ids": INTS, "completion_lens": INTS, "behavior_logprobs": (torch.float32,),
           "rewards": (torch.float32,), "truncated": (torch.bool,)}
 FLAT, PADDED = ("prompt_ids", "rewards", "truncated"), ("completion_ids", "behavior_logprobs")  # Group's tensors
-META = {"policy_version": int, "temperature": float, "adapter_digest": str, "generator_id": str, "started_at": float,
-        "finished_at": float}  # the Group fields kept as string metadata, and how to read each back
+META = {"policy_version": int, "temperature": float, "adapter_digest": str, "group_id": str, "generator_id": str,
+        "started_at": float, "finished_at": float}  # the Group fields kept as string metadata, and how to read each back
 
 
 @dataclass
@@ -55,6 +57,8 @@ def read_group(data: bytes, group_id: str) -> Group:
     metadata = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
     if metadata.get("format") != FORMAT:
         raise ValueError(f"format is {metadata.get('format')!r}, expected {FORMAT!r}")
+    if metadata.pop("group_id", group_id) not in (group_id, ""):  # the same bytes under a second name: trained once
+        raise ValueError(f"group_id: this group was written under another name, found as {group_id!r} (a copy)")
     if missing := DTYPES.keys() - tensors.keys():
         raise ValueError(f"missing tensors {sorted(missing)}")
     for name, kinds in DTYPES.items():
@@ -117,7 +121,7 @@ class Ledger:
 class RolloutBuffer:
     def __init__(self, storage):
         self.storage, self.order = storage, {}  # order: unconsumed group ids in the order first seen (FIFO)
-        self.listed_at = 0.0  # when take() last listed rollouts/: order holds what was waiting then
+        self.seen, self.told = {}, {}  # each writer's last sequence number in the last listing, and in the last report
 
     def write(self, groups: list[Group], writer: str, seq: int) -> list[str]:
         """Add finished groups, one object each, numbered from seq on (together: one round trip on a bucket)."""
@@ -132,20 +136,26 @@ class RolloutBuffer:
 
     def take(self, n: int, ledger: Ledger, validate=lambda group: None, stats=None) -> list[Group]:
         """Up to n of the oldest groups the ledger has not seen, recorded in it; one that fails is quarantined."""
-        stats, self.listed_at = {} if stats is None else stats, time.time()
-        new = sorted((i for i in self.listed() if i not in ledger.skip), key=sequence_number)
+        stats, listed = {} if stats is None else stats, self.listed()
+        self.seen = {}
+        for gid in listed:
+            writer, seq = gid.rsplit("-", 1)[0], sequence_number(gid)[0]
+            self.seen[writer] = max(seq, self.seen.get(writer, -1))
+        new = sorted((i for i in listed if i not in ledger.skip), key=sequence_number)
         self.order.update(dict.fromkeys(new))  # new ones join the end by sequence number; known ones keep their place
         groups = []
         while len(groups) < n and self.order:
             batch = list(itertools.islice(self.order, n - len(groups)))  # the oldest, read together
             for gid, data in zip(batch, self.storage.get_many([group_key(gid) for gid in batch])):
                 del self.order[gid]
-                if isinstance(data, FileNotFoundError):  # a listing that lags a delete
+                ledger.skip.add(gid)  # read once, whatever comes of it
+                if isinstance(data, FileNotFoundError):  # a listing that lags a delete, or a bucket's "directory"
                     continue
-                if isinstance(data, Exception) and not isinstance(data, ValueError):  # the store failed, not the group
+                unreadable = isinstance(data, OSError) and self.storage.local and data.errno == errno.EACCES
+                if isinstance(data, OSError) and not unreadable:  # the store failed, not the group
                     raise OSError(f"cannot read {self.storage.url(group_key(gid))}: {data}") from data
                 try:
-                    if isinstance(data, ValueError):  # not a regular file
+                    if isinstance(data, Exception):  # not a regular file, or one this user cannot read
                         raise data
                     group = read_group(data, gid)
                     validate(group)
@@ -157,22 +167,32 @@ class RolloutBuffer:
                 groups.append(group)
         return groups
 
-    def quarantine(self, group_id: str, data: bytes | Exception, reason: str, stats: dict):
-        """Keep the evidence in bad/, then remove the group from rollouts/ (it is never read again)."""
-        stats["bad_total"] = stats.get("bad_total", 0) + 1
-        self.storage.put(f"bad/{group_id}.reason.txt", reason + "\n")
-        if isinstance(data, bytes):
-            self.storage.put(f"bad/{group_id}.safetensors", data)
-        self.storage.delete(group_key(group_id))
-        print(f"[rollouts] quarantined {group_id}: {reason}", flush=True)
+    def progress(self) -> dict:
+        """What the generators pace themselves by (README, "Backpressure"): the groups waiting at the last listing,
+        each writer's last group in it, and how many writers are at work (groups waiting, or new ones since the last
+        report)."""
+        busy = {gid.rsplit("-", 1)[0] for gid in self.order} | {w for w, s in self.seen.items() if s > self.told.get(w, -1)}
+        self.told = self.seen
+        return {"waiting": len(self.order), "seen": self.seen, "writers": len(busy)}
 
-    def collect(self, ids, fault_step: int | None = None):
-        """Delete consumed groups (garbage collection; repeating it is harmless)."""
+    def quarantine(self, group_id: str, data: bytes | Exception, reason: str, stats: dict):
+        """Keep the evidence in bad/ under a name that fits any store, then remove the entry from rollouts/."""
+        stats["bad_total"] = stats.get("bad_total", 0) + 1
+        safe = group_id if re.fullmatch(r"[\w.-]{1,100}", group_id, re.ASCII) else re.sub(r"[^\w.-]", "_", group_id[:80], flags=re.ASCII) \
+            + "-" + hashlib.sha256(group_id.encode(errors="surrogateescape")).hexdigest()[:12]
+        self.storage.put(f"bad/{safe}.reason.txt", f"{group_id!r}: {reason}\n")
+        if isinstance(data, bytes):
+            self.storage.put(f"bad/{safe}.safetensors", data)
+        self.storage.delete(group_key(group_id))
+        print(f"[rollouts] quarantined {group_id!r}: {reason!r}", flush=True)
+
+    def collect(self, ids, fenced=lambda write, *args: write(*args), fault_step: int | None = None):
+        """Delete consumed groups (garbage collection; repeating it is harmless), each half behind the fence."""
         keys = [group_key(gid) for gid in sorted(ids)]
-        self.storage.delete(keys[:len(keys) // 2])
+        fenced(self.storage.delete, keys[:len(keys) // 2])
         if keys and fault_step is not None:
             fault("mid_gc", fault_step)
-        self.storage.delete(keys[len(keys) // 2:])
+        fenced(self.storage.delete, keys[len(keys) // 2:])
         self.storage.sweep_temps("rollouts")  # half-written files of generators that were killed
 
 

@@ -5,6 +5,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
+import signal
 import socket
 import sys
 import threading
@@ -66,14 +68,21 @@ def parse_config(*types, argv=None):
     return parser.parse_args_into_dataclasses(argv)
 
 
-FAULT = os.environ.get("MINIGRPO_FAULT", "")  # <point>:<step>, for the crash tests; read once
+FAULTS = [f.split(":") for f in os.environ.get("MINIGRPO_FAULT", "").split(",") if f]  # for the crash tests; read once
+if clock := [float(f[1]) for f in FAULTS if f[0] == "clock"]:  # a wall clock off by that many seconds
+    time.time = lambda _time=time.time: _time() + clock[0]
 
 
 def fault(point: str, step: int):
-    """Exit like SIGKILL (os._exit(137)) the first time the trainer reaches that point at or after that step."""
-    if FAULT and FAULT.split(":")[0] == point and step >= int(FAULT.split(":")[1]):
-        print(f"MINIGRPO_FAULT: exiting at {point}, step {step}", flush=True)
-        os._exit(137)
+    """<point>:<step>: exit like SIGKILL (os._exit(137)) the first time the trainer reaches that point at or after
+    that step; <point>:<step>:pause: stop there (SIGSTOP to itself) until a SIGCONT, like a frozen VM."""
+    for f in FAULTS:
+        if f[0] == point and step >= int(f[1]):
+            print(f"MINIGRPO_FAULT: {'pausing' if f[2:] else 'exiting'} at {point}, step {step}", flush=True)
+            if not f[2:]:
+                os._exit(137)
+            FAULTS.remove(f)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def read_json(storage, key: str):
@@ -114,60 +123,115 @@ def join_run(storage, settings: RunSettings, timeout_s: float = 600.0) -> dict:
 
 def dead_here(lease: dict) -> bool:
     """A killed trainer on this same host: its lease can be taken at once (a restart after SIGKILL)."""
-    if lease.get("host") != socket.gethostname():
-        return False
     try:
-        os.kill(int(lease.get("pid", 0)), 0)  # signal 0 only asks whether the process exists
+        if lease["host"] == socket.gethostname() and lease["pid"] > 0:
+            os.kill(lease["pid"], 0)  # signal 0 only asks whether the process exists
     except ProcessLookupError:
         return True
-    except (PermissionError, ValueError, TypeError, OverflowError):  # another user's process, or no usable pid
+    except (PermissionError, OverflowError):  # another user's process, or no usable pid
         pass
     return False
 
 
+LEASE = {"owner": "", "host": "", "pid": 0, "epoch": 0, "timeout_s": 60.0, "checkpoints": None, "pending": 0,
+         "waiting": -1, "seen": {}, "writers": 0, "groups_per_step": 1}  # what readers rely on, and the defaults
+
+
+def lease_view(raw: bytes | None) -> dict:
+    """owner.json's fields with the types readers rely on. Anything else (not JSON, a list, a string heartbeat, an
+    infinite timeout) reads as missing, so a hostile lease can at worst look like a dead one."""
+    try:
+        lease = json.loads(raw or b"{}")
+    except ValueError:
+        lease = {}
+    lease = lease if isinstance(lease, dict) else {}
+    out = {k: v if type(v := lease.get(k)) is type(d) or type(d) is float and type(v) is int else d for k, d in LEASE.items()}
+    out["seen"] = {k: v for k, v in out["seen"].items() if type(v) is int}
+    if isinstance(lease.get("checkpoints"), list) and all(isinstance(c, str) for c in lease["checkpoints"]):
+        out["checkpoints"] = lease["checkpoints"]
+    out["timeout_s"] = out["timeout_s"] if 0 < out["timeout_s"] < 1e6 else LEASE["timeout_s"]
+    return out
+
+
+class Watch:
+    """How long an object's bytes stayed the same, on this process's monotonic clock: skew cannot fool it."""
+
+    def __init__(self):
+        self.raw, self.since = None, time.monotonic()
+
+    def unchanged_s(self, raw) -> float:
+        if raw != self.raw:
+            self.raw, self.since = raw, time.monotonic()
+        return time.monotonic() - self.since
+
+
+EPOCH = re.compile(r"^train-e(\d+)-")  # a trainer life's metrics segments carry its epoch
+
+
 class Lease:
-    """owner.json, the trainer's lease (README, "The run directory"); generators read its progress for backpressure."""
+    """owner.json, the trainer's lease and fencing token (README, "The run directory"): each life takes a higher
+    epoch, bumps `beat` every timeout_s / 6, and writes owner.json only if it is still its own last write."""
 
     def __init__(self, storage, timeout_s: float = 60.0, **about):  # about: what generators may read (groups_per_step)
-        self.storage, self.timeout_s, self.lock, self.stop = storage, timeout_s, threading.Lock(), threading.Event()
-        self.info = {"owner": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(),
+        self.storage, self.timeout_s, self.lock, self.stop = storage, timeout_s, threading.RLock(), threading.Event()
+        self.info = {"owner": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(), "beat": 0,
                      "timeout_s": timeout_s, **about}
 
-    def acquire(self):
-        theirs = read_json(self.storage, "owner.json")
-        age = time.time() - theirs.get("heartbeat", 0) if theirs else 0
-        if theirs and age < self.timeout_s and not dead_here(theirs):
-            raise SystemExit(f"{self.storage.url()} is owned by trainer {theirs.get('owner')} (host {theirs.get('host')}, "
-                             f"pid {theirs.get('pid')}), heartbeat {age:.0f}s ago. One trainer per run: stop it, or "
-                             f"wait until its lease is {self.timeout_s:.0f}s old (--lease_timeout_s) to take over.")
+    def acquire(self) -> dict | None:
+        """Take the lease if it is absent, its owner died here, or it stays unchanged for timeout_s; refuse if it
+        changes. Returns the lease taken over (None if there was none)."""
+        raw, self.token = self.storage.versioned("owner.json")
+        theirs, watch = lease_view(raw), Watch()
+        while raw is not None and not dead_here(theirs) and watch.unchanged_s(raw) < self.timeout_s:
+            time.sleep(min(1.0, self.timeout_s / 20))
+            if self.storage.versioned("owner.json")[0] != raw:
+                raise SystemExit(f"{self.storage.url()} is owned by trainer {theirs['owner']} (host {theirs['host']}, "
+                                 f"pid {theirs['pid']}, epoch {theirs['epoch']}): its heartbeat moved within "
+                                 f"{time.monotonic() - watch.since:.0f}s. One trainer per run: stop it, or start this "
+                                 f"one once the lease stays unchanged for {self.timeout_s:.0f}s (--lease_timeout_s).")
+        epochs = [int(m[1]) for m in map(EPOCH.match, self.storage.list("metrics")) if m]  # should owner.json be garbage
+        self.info |= {"epoch": max([theirs["epoch"], *epochs]) + 1,  # a new run has committed no checkpoint
+                      "checkpoints": theirs["checkpoints"] if raw is not None or epochs else []}
         self.write()
-        time.sleep(min(1.0, self.timeout_s / 10))  # two trainers that start together: the last write wins
-        self.check()
         threading.Thread(target=self._beat, daemon=True).start()
-        return theirs  # the previous owner's lease, if this is a takeover
+        return theirs if raw is not None else None
 
     def write(self, **progress):
+        """Replace owner.json (beat + 1), conditional on it being this trainer's last write."""
         with self.lock:
-            self.info |= progress | {"heartbeat": time.time()}
-            self.storage.put("owner.json", json.dumps(self.info))
+            self.info |= progress | {"beat": self.info["beat"] + 1}
+            try:
+                self.token = self.storage.swap("owner.json", json.dumps(self.info), self.token)
+            except FileExistsError:
+                self.lost()
 
-    def check(self):
-        theirs = read_json(self.storage, "owner.json") or {}
-        if theirs.get("owner") != self.info["owner"]:
-            print(f"lease lost: {self.storage.url('owner.json')} now names trainer {theirs.get('owner')} "
-                  f"(host {theirs.get('host')}, pid {theirs.get('pid')}); exiting without writing", flush=True)
-            os._exit(1)
+    def fenced(self, write, *args, **kwargs):
+        """write(*args) only while this trainer holds the lease: a check that holds until the write lands on a local
+        disk (both under the run's lock), right before it elsewhere. A refused conditional write is checked again."""
+        for attempt in range(2):
+            with self.lock, self.storage.locked():
+                if self.storage.versioned("owner.json")[1] != self.token:
+                    self.lost()
+                try:
+                    return write(*args, **kwargs)
+                except FileExistsError:
+                    if attempt:
+                        raise
+
+    def lost(self):
+        theirs = lease_view(self.storage.versioned("owner.json")[0])
+        print(f"lease lost: {self.storage.url('owner.json')} names trainer {theirs['owner']} (epoch {theirs['epoch']}, "
+              f"host {theirs['host']}); exiting without writing", flush=True)
+        os._exit(1)
 
     def _beat(self):
         while not self.stop.wait(self.timeout_s / 6):
             with contextlib.suppress(OSError):  # a full disk or a refused bucket: the main thread meets it too
-                self.check()
                 self.write()
 
     def release(self):
         self.stop.set()
-        with self.lock:
-            self.storage.delete("owner.json")
+        self.fenced(self.storage.delete, "owner.json")
 
 
 class Metrics:
@@ -186,12 +250,21 @@ class Metrics:
         print(line, flush=True)
 
 
-def read_records(storage, name: str) -> list[dict]:
-    """Every record of metrics/<name>*.jsonl in time order (a redone step has several: see latest_per_step)."""
-    files = [f for f in storage.list("metrics") if f.startswith(name) and f.endswith(".jsonl")]
-    lines = [line for f in files for line in storage.get(f"metrics/{f}").decode().splitlines() if line]
-    return sorted(map(json.loads, lines), key=lambda r: r.get("time", 0))
+def read_records(storage, name: str, bad: list | None = None) -> list[dict]:
+    """Every record of metrics/<name>*.jsonl, in the order of the segments' names: a trainer's begin with its epoch,
+    so a redone step's record from the newest life comes last, whatever the clocks said. A line that is not a JSON
+    object is left out (and added to `bad`)."""
+    records = []
+    for f in sorted(f for f in storage.list("metrics") if f.startswith(name) and f.endswith(".jsonl")):
+        for line in storage.get(f"metrics/{f}").decode(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                if isinstance(record := json.loads(line), dict):
+                    records.append(record)
+                    continue
+            if line.strip() and bad is not None:
+                bad.append(f"{f}: {line[:60]!r}")
+    return records
 
 
 def latest_per_step(records: list[dict]) -> dict[int, dict]:
-    return {r["step"]: r for r in records}  # records are in time order: the last one of a step wins
+    return {r["step"]: r for r in records if type(r.get("step")) is int}  # in order: the last one of a step stands

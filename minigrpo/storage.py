@@ -1,12 +1,16 @@
 """The run directory's storage: every read and write of RUN (a folder or an fsspec URL) goes through this module,
 whole objects only (README, "The run directory"). On a local disk put() writes a hidden temp file, fsyncs it and
-os.replace()s it, and get() reads only regular files, so a hostile entry in the run directory can neither hang a
+renames it into place, and get() reads only regular files, so a hostile entry in the run directory can neither hang a
 reader nor point it outside the run. Any failure of the store is an OSError naming the object.
 """
 import contextlib
+import fcntl
 import glob
+import hashlib
 import os
+import shutil
 import stat
+import threading
 import time
 import uuid
 
@@ -20,9 +24,10 @@ class Storage:
             self.fs, root = fsspec.core.url_to_fs(url, use_listings_cache=False)
         except ImportError as e:  # s3fs or gcsfs not installed
             raise SystemExit(f"--run_dir {url} needs: pip install -r requirements-storage.txt ({e})") from e
-        self.local = isinstance(self.fs, LocalFileSystem)
+        self.local, self.s3 = isinstance(self.fs, LocalFileSystem), "s3" in self.fs.protocol
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
         self.poll_s = 0.02 if self.local else 0.2  # how often to look again while waiting: listings cost a request
+        self.mutex, self.depth = threading.RLock(), 0
 
     def url(self, key: str = "") -> str:
         path = f"{self.root}/{key}".rstrip("/")
@@ -34,22 +39,25 @@ class Storage:
         try:
             yield
         except Exception as e:  # noqa: BLE001 - whatever the backend raises
-            kind = FileNotFoundError if isinstance(e, FileNotFoundError) and what != "write" else OSError
-            raise kind(getattr(e, "errno", None), f"cannot {what} {self.url(key)}: {type(e).__name__}: {e}") from e
+            keep = isinstance(e, FileExistsError) or isinstance(e, FileNotFoundError) and what != "write"
+            raise (type(e) if keep else OSError)(getattr(e, "errno", None), f"cannot {what} {self.url(key)}: "
+                                                 f"{type(e).__name__}: {e}") from e
 
-    def put(self, key: str, data: bytes | str):
-        """Write one whole object; readers see the old one or the new one, never half."""
-        self.put_many({key: data})
+    def put(self, key: str, data: bytes | str, create: bool = False):
+        """Write one whole object; readers see the old one or the new one, never half. create: only if it is absent,
+        else FileExistsError (S3 If-None-Match, a hard link on a local disk, elsewhere a look first)."""
+        self.put_many({key: data}, create)
 
-    def put_many(self, objects: "dict[str, bytes | str]"):
-        """put() of several objects, concurrently on a bucket."""
-        objects = {key: data.encode() if isinstance(data, str) else data for key, data in objects.items()}
+    def put_many(self, objects: "dict[str, bytes | str]", create: bool = False):  # concurrently on a bucket
+        objects = {k: d.encode(errors="surrogateescape") if isinstance(d, str) else d for k, d in objects.items()}
         if not self.local:
             with self._naming("write", next(iter(objects), "")):
+                if create:
+                    return [self.fs.pipe_file(f"{self.root}/{k}", v, mode="create") for k, v in objects.items()]
                 return self.fs.pipe({f"{self.root}/{k}": v for k, v in objects.items()})
         for key, data in objects.items():
-            folder, name = os.path.split(f"{self.root}/{key}")
-            tmp = f"{folder}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
+            folder = os.path.dirname(f"{self.root}/{key}")
+            tmp = f"{folder}/.{uuid.uuid4().hex[:12]}.tmp"  # not the key's name: that may be as long as a name can be
             with self._naming("write", key):
                 os.makedirs(folder, exist_ok=True)
                 try:
@@ -57,13 +65,13 @@ class Storage:
                         f.write(data)
                         f.flush()
                         os.fsync(f.fileno())
-                    os.replace(tmp, f"{folder}/{name}")
+                    (os.link if create else os.replace)(tmp, f"{self.root}/{key}")
                 finally:
-                    if os.path.exists(tmp):
+                    with contextlib.suppress(FileNotFoundError):
                         os.remove(tmp)
 
     def get(self, key: str) -> bytes:
-        """Read one whole object: FileNotFoundError if absent, ValueError for a local symlink, FIFO or device."""
+        """Read one whole object: FileNotFoundError if absent, ValueError for a local directory, symlink, FIFO or device."""
         path = f"{self.root}/{key}"
         with self._naming("read", key):
             if not self.local:
@@ -71,22 +79,68 @@ class Storage:
             if stat.S_ISREG(os.lstat(path).st_mode):
                 with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
                     return f.read()
-        raise ValueError(f"{path} is not a regular file (a symlink, FIFO or device); refusing to read it")
+        raise ValueError(f"{path} is not a regular file (a directory, symlink, FIFO or device); refusing to read it")
 
     def get_many(self, keys: "list[str]") -> list:
-        """get() of several objects, concurrently on a bucket: each entry is the bytes or get()'s exception."""
-        if self.local or len(keys) < 2:
-            out = []
-            for key in keys:
+        """get() of several objects, concurrently on a bucket: each entry is the bytes or the exception."""
+        if not self.local:
+            with self._naming("read", keys[0] if keys else ""):
+                found = self.fs.cat([f"{self.root}/{k}" for k in keys], on_error="return")
+            return [found.get(f"{self.root}/{k}", FileNotFoundError(k)) for k in keys]
+        out = []
+        for key in keys:
+            try:
+                out.append(self.get(key))
+            except (OSError, ValueError) as e:
+                out.append(e)
+        return out
+
+    # ---- the two pointers that are replaced (adapters/LATEST, owner.json): conditional writes ----
+    def versioned(self, key: str) -> tuple[bytes | None, str | None]:
+        """(the object or None, its version token: S3's ETag, elsewhere a hash of the bytes)."""
+        try:
+            if not self.s3:
+                data = self.get(key)
+                return data, hashlib.sha256(data).hexdigest()
+            with self._naming("read", key), self.fs.open(f"{self.root}/{key}", "rb") as f:
+                return f.read(), f.details["ETag"]
+        except FileNotFoundError:
+            return None, None
+
+    def swap(self, key: str, data: bytes | str, token: str | None) -> str:
+        """Replace an object only if it is still the version `token` (None: only if absent), and return the new
+        token; FileExistsError if another writer came in between. S3: If-Match / If-None-Match. A local disk: the
+        look and the write under the run's lock. Elsewhere a look, then the write."""
+        data = data.encode() if isinstance(data, str) else data
+        if self.s3:
+            with self._naming("write", key):
                 try:
-                    out.append(self.get(key))
-                except (OSError, ValueError) as e:
-                    out.append(e)
-            return out
-        paths = [f"{self.root}/{k}" for k in keys]
-        with self._naming("read", keys[0]):
-            found = self.fs.cat(paths, on_error="return")
-        return [found.get(p, FileNotFoundError(p)) for p in paths]
+                    return self.fs.pipe_file(f"{self.root}/{key}", data, **{"IfMatch": token} if token else {"mode": "create"})["ETag"]
+                except OSError as e:  # a stale If-Match is a 412 (errno EINVAL), a vanished object a 404
+                    if isinstance(e, FileExistsError) or token and isinstance(e, FileNotFoundError) or "pre-condition" in str(e):
+                        raise FileExistsError(f"{self.url(key)} was replaced by another writer") from e
+                    raise
+        with self.locked():
+            if self.versioned(key)[1] != token:
+                raise FileExistsError(f"{self.url(key)} was replaced by another writer")
+            self.put(key, data)
+        return hashlib.sha256(data).hexdigest()
+
+    @contextlib.contextmanager
+    def locked(self):
+        """The run's lock (flock on RUN/.lock), re-entrant, on a local disk or NFS; a no-op on a bucket."""
+        with self.mutex:
+            self.depth += 1
+            try:
+                if self.depth > 1 or not self.local:
+                    yield
+                    return
+                os.makedirs(self.root, exist_ok=True)
+                with open(f"{self.root}/.lock", "a") as f:  # closing it releases the lock
+                    fcntl.flock(f, fcntl.LOCK_EX)
+                    yield
+            finally:
+                self.depth -= 1
 
     def exists(self, key: str) -> bool:
         with self._naming("look up", key):
@@ -104,13 +158,17 @@ class Storage:
         return sorted(n for n in names if not (self.local and n.startswith(".")))
 
     def delete(self, key: "str | list[str]", recursive: bool = False):
-        """Delete an object, a list of them, or with recursive everything under a prefix; what is gone is fine."""
+        """Delete objects, or with recursive everything under a prefix (on a local disk whatever the entry is: a
+        directory goes whole, a link goes, not its target); what is gone is fine."""
         keys = [key] if isinstance(key, str) else key
-        # one bulk request on a bucket; on a local disk one by one, since rm stops at the first missing file
-        batches = [[k] for k in keys] if self.local else [keys] if keys else []
-        for batch in batches:
+        for batch in [[k] for k in keys] if self.local else [keys] if keys else []:
             with self._naming("delete", batch[0]), contextlib.suppress(FileNotFoundError):
-                self.fs.rm([f"{self.root}/{k}" for k in batch], recursive=recursive)
+                if not self.local:
+                    self.fs.rm([f"{self.root}/{k}" for k in batch], recursive=recursive)
+                elif stat.S_ISDIR(os.lstat(path := f"{self.root}/{batch[0]}").st_mode):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
 
     def sweep_temps(self, prefix: str, max_age_s: float = 300.0):
         """Local disks only: remove temp files older than max_age_s that a killed writer left behind."""

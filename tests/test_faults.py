@@ -83,7 +83,7 @@ def test_a_trainer_killed_at_each_fault_point_resumes_and_trains_every_group_exa
         second = subprocess.run([sys.executable, *TRAIN, "--run_dir", run_dir], cwd=ROOT, capture_output=True,
                                 text=True, timeout=300)
         assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-        resumed = "step-000008" if point in ("after_checkpoint", "mid_gc") else "step-000004"
+        resumed = "step-000008-e000001" if point in ("after_checkpoint", "mid_gc") else "step-000004-e000001"
         assert f"resumed from {os.path.join(run_dir, 'checkpoints', resumed)}" in second.stdout
         assert gen.wait(timeout=60) == 0
     finally:
@@ -197,7 +197,7 @@ def test_generator_skips_an_adapter_without_weights_and_keeps_the_last_good_one(
     assert gen.wait(timeout=120) == 0
     out = open(log).read()
     assert f"cannot load {store.url(1)} (ValueError: {store.url(1)} doesn't contain tensors)" in out
-    versions = {read_group(store.storage.get(f"rollouts/{n}"), n).policy_version for n in store.storage.list("rollouts")}
+    versions = {read_group(store.storage.get(f"rollouts/{n}"), n.removesuffix(".safetensors")).policy_version for n in store.storage.list("rollouts")}
     assert versions == {0}
     last = gen_records(run_dir, "g0")[-1]
     assert last["adapters_skipped"] == 1 and last["batch"] == 60

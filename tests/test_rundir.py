@@ -3,6 +3,7 @@ quarantine of hostile files, adapter versions, checkpoints, run.json, the lease 
 
     python -m pytest -q tests/test_rundir.py
 """
+import io
 import json
 import os
 import socket
@@ -20,7 +21,7 @@ from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpo
 from minigrpo.lora import DEFAULT_TARGETS, adapter_config, adapter_digest, inject_lora, lora_layers, lora_state_dict
 from minigrpo.rollouts import (AttributionError, Group, Ledger, RolloutBuffer, check_group, group_key, read_group,
                                to_tensors)
-from minigrpo.run import (Lease, Metrics, RunSettings, create_run, join_run, latest_per_step, parse_config,
+from minigrpo.run import (Lease, Metrics, RunSettings, create_run, join_run, latest_per_step, lease_view, parse_config,
                           read_records)
 from minigrpo.storage import Storage
 
@@ -119,17 +120,29 @@ def test_the_ledger_deletes_only_what_two_checkpoints_cover():
     assert resumed.collect == {"g-000000"} and resumed.skip == {"g-000000", "g-000001"}
 
 
-def hostile(storage, tmp_path, kind):
+def hostile(storage, tmp_path, kind, monkeypatch):
     """Write one hostile rollout entry of the given kind; returns its group id."""
     tensors, meta = to_tensors(make_group())
-    gid = f"evil-{kind.replace('_', '')}-000000"
+    gid = {"long_name": "evil-" + "x" * 230 + "-000000", "non_utf8_name": "evil-\udcff-000000"}.get(
+        kind, f"evil-{kind.replace('_', '')}-000000")
     path = None if not storage.local else os.path.join(storage.root, group_key(gid))
+    if kind == "directory":
+        os.makedirs(os.path.join(path, "inside"))
+        return gid
+    if kind == "unreadable":  # as root, mode 000 reads anyway: the kernel's answer to another user, then
+        real_open = os.open
+        monkeypatch.setattr(os, "open", lambda p, *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
+                            if p == path else real_open(p, *a))
+    if kind == "copy":
+        group = make_group()
+        group.group_id = "g-000099"
+        tensors, meta = to_tensors(group)
     if kind in ("symlink", "fifo"):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         (tmp_path / "outside").write_bytes(save(tensors, metadata=meta))
         os.symlink(tmp_path / "outside", path) if kind == "symlink" else os.mkfifo(path)
         return gid
-    if kind == "garbage":
+    if kind in ("garbage", "long_name", "non_utf8_name"):
         data = b"not a safetensors file at all"
     elif kind == "truncated":
         data = save(tensors, metadata=meta)[:100]
@@ -161,19 +174,21 @@ REASONS = {"garbage": "SafetensorError", "truncated": "SafetensorError",
            "missing_field": "missing tensors ['behavior_logprobs']",
            "long_completion": "completion_ids: 4096 tokens, the run's max_new_tokens is 3",
            "long_prompt": "prompt_ids: 20000 tokens, the run allows 1 to 8",
-           "symlink": "is not a regular file", "fifo": "is not a regular file"}
+           "symlink": "is not a regular file", "fifo": "is not a regular file", "directory": "is not a regular file",
+           "long_name": "SafetensorError", "non_utf8_name": "SafetensorError", "unreadable": "Permission denied",
+           "copy": "group_id: this group was written under another name"}
 
 
 @pytest.mark.parametrize("kind", list(REASONS))
-def test_a_hostile_group_is_quarantined_with_a_reason_that_names_it_and_the_trainer_goes_on(tmp_path, kind):
+def test_a_hostile_group_is_quarantined_with_a_reason_that_names_it_and_the_trainer_goes_on(tmp_path, kind, monkeypatch):
     storage = Storage(str(tmp_path / "run"))
     buffer, ledger, stats = RolloutBuffer(storage), Ledger(), {}
-    bad = hostile(storage, tmp_path, kind)
+    bad = hostile(storage, tmp_path, kind, monkeypatch)
     good, = buffer.write([make_group()], "g", seq=1)
     check = lambda g: check_group(g, RUN, vocab_size=16, version=3)  # noqa: E731
     assert [g.group_id for g in buffer.take(5, ledger, check, stats)] == [good]
-    reason = storage.get(f"bad/{bad}.reason.txt").decode()
-    assert REASONS[kind] in reason, reason
+    reason, = [storage.get(f"bad/{n}").decode() for n in storage.list("bad") if n.endswith(".reason.txt")]
+    assert REASONS[kind] in reason and repr(bad) in reason, reason
     assert stats["bad_total"] == 1 and storage.list("rollouts") == [f"{good}.safetensors"]
     assert (tmp_path / "outside").exists() or kind not in ("symlink", "fifo")  # the link's target is untouched
 
@@ -220,17 +235,20 @@ def test_retention_keeps_the_window_plus_one_publish_of_grace(storage):
     store = AdapterStore(storage, "r")
     for v in range(8):
         publish_model(store, v)
-    assert store.versions() == [4, 5, 6, 7]  # keep=3: v5..v7 are named, v4 left the window one publish ago
+    weights = [v for v in store.versions() if storage.exists(f"adapters/{store.name(v)}/adapter_model.safetensors")]
+    assert weights == [4, 5, 6, 7]  # keep=3: v5..v7 are named, v4 left the window one publish ago
+    assert store.versions() == list(range(8))  # the configs stay: a name, once claimed, is never written again
 
 
 def test_names_are_never_reused_after_a_crash_even_if_a_listing_lags(storage, monkeypatch):
     store = AdapterStore(storage, "r")
     for v in range(3):
         publish_model(store, v)
-    store.write(3, {}, {})  # killed before LATEST: version 3 exists but is not named
+    assert store.write(3, {}, {}) == 3  # killed before LATEST: version 3 exists but is not named
     assert store.latest() == 2 and store.next_version() == 4
-    monkeypatch.setattr(store, "versions", lambda: [0, 1])  # a listing that has not seen v2 and v3 yet
-    assert store.next_version() == 4 and store.next_version(at_least=9) == 9
+    monkeypatch.setattr(store, "versions", lambda: [0, 1])  # a listing that has not seen v3 yet
+    assert store.next_version() == 3 and store.write(3, {}, {}) == 4  # the name is claimed: the next one is used
+    assert store.write(0, {}, {}) == 5 and store.next_version(at_least=9) == 9  # and so is v0's, whose weights went
 
 
 # ---- checkpoints ----
@@ -249,13 +267,16 @@ def fresh_model_and_optimizer():
     return other, torch.optim.AdamW([p for p in other.parameters() if p.requires_grad], lr=0.1)
 
 
+STATE = {"stats": {"dropped_stale_total": 3}, "version": 7, "config": {}, "ledger": {"collect": [], "consumed": ["g-0"]}}
+
+
 def test_checkpoint_restores_adapter_optimizer_and_state(storage):
     model, opt = trained_model_and_optimizer()
-    save_checkpoint(storage, 7, lora_state_dict(model), adapter_config(2, 4, DEFAULT_TARGETS, "tiny"), opt,
-                    {"stats": {"dropped_stale_total": 3}})
+    name = save_checkpoint(storage, 7, 2, lora_state_dict(model), adapter_config(2, 4, DEFAULT_TARGETS, "tiny"), opt, STATE)
     other, opt2 = fresh_model_and_optimizer()
-    state, skipped = load_checkpoint(storage, other, opt2)
-    assert state["step"] == 7 and state["stats"]["dropped_stale_total"] == 3 and skipped == []
+    state, skipped = load_checkpoint(storage, other, opt2, [name])
+    assert name == "step-000007-e000002" and state["step"] == 7 and state["stats"]["dropped_stale_total"] == 3
+    assert skipped == [] and state["name"] == name
     for a, b in zip(lora_layers(model).values(), lora_layers(other).values()):
         assert torch.equal(a.lora_B, b.lora_B)
     assert opt2.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
@@ -264,17 +285,16 @@ def test_checkpoint_restores_adapter_optimizer_and_state(storage):
 def test_a_damaged_or_incomplete_newest_checkpoint_falls_back_to_the_one_before(storage):
     model, opt = trained_model_and_optimizer()
     config = adapter_config(2, 4, DEFAULT_TARGETS, "tiny")
-    for step in (5, 10, 15):
-        save_checkpoint(storage, step, lora_state_dict(model), config, opt, {})
-    prune_checkpoints(storage)
-    assert storage.list("checkpoints") == ["step-000010", "step-000015"]
-    blob = storage.get("checkpoints/step-000015/optimizer.pt")
-    storage.put("checkpoints/step-000015/optimizer.pt", blob[: len(blob) // 2])  # cut in half
-    storage.put("checkpoints/step-000020/trainer_state.json", "{}")  # a checkpoint killed before its MANIFEST
-    state, skipped = load_checkpoint(storage, *fresh_model_and_optimizer())
+    names = [save_checkpoint(storage, step, 1, lora_state_dict(model), config, opt, STATE) for step in (5, 10, 15)]
+    prune_checkpoints(storage, names[1:])
+    assert storage.list("checkpoints") == ["step-000010-e000001", "step-000015-e000001"]
+    blob = storage.get("checkpoints/step-000015-e000001/optimizer.pt")
+    storage.put("checkpoints/step-000015-e000001/optimizer.pt", blob[: len(blob) // 2])  # cut in half
+    storage.put("checkpoints/step-000020-e000001/trainer_state.json", "{}")  # a checkpoint killed before its MANIFEST
+    state, skipped = load_checkpoint(storage, *fresh_model_and_optimizer())  # no lease: every checkpoint there is
     assert state["step"] == 10
-    assert skipped == ["step-000020: incomplete (no MANIFEST)",
-                       "step-000015: damaged (ValueError: optimizer.pt do not match the MANIFEST)"]
+    assert skipped == ["step-000020-e000001: incomplete (no MANIFEST)",
+                       "step-000015-e000001: damaged (ValueError: optimizer.pt do not match the MANIFEST)"]
 
 
 # ---- run.json, the lease, metrics ----
@@ -299,29 +319,85 @@ def test_a_damaged_or_missing_run_json_is_one_clear_line(storage):
         join_run(storage, RunSettings(), timeout_s=0)
 
 
-def test_a_second_trainer_is_refused_and_an_expired_lease_is_taken_over(storage):
-    Lease(storage, timeout_s=5).write()  # a live owner elsewhere, just now
-    owner = json.loads(storage.get("owner.json"))
-    with pytest.raises(SystemExit, match=f"owned by trainer {owner['owner']} .*heartbeat [0-9]s ago"):
-        Lease(storage, timeout_s=5).acquire()
-    storage.put("owner.json", json.dumps(owner | {"host": "elsewhere", "heartbeat": time.time() - 10}))
-    lease = Lease(storage, timeout_s=5)
-    assert lease.acquire()["owner"] == owner["owner"]  # taken over: the old owner is returned
+class Deposed(Exception):
+    pass
+
+
+def no_exit(lease):
+    """In-process, a lease that is lost raises instead of ending the test run with os._exit."""
+    lease.lost = lambda: (_ for _ in ()).throw(Deposed())
+    return lease
+
+
+@pytest.mark.parametrize("skew", [-3600, 0, 3600])
+def test_a_live_lease_refuses_a_contender_whatever_the_clocks_say(storage, monkeypatch, skew):
+    owner = no_exit(Lease(storage, timeout_s=0.6))
+    monkeypatch.setattr(time, "time", lambda _t=time.time: _t() + skew)  # nothing may depend on the wall clock
+    assert owner.acquire() is None and owner.info["epoch"] == 1
+    with pytest.raises(SystemExit, match=f"owned by trainer {owner.info['owner']} .*epoch 1.*heartbeat moved"):
+        Lease(storage, timeout_s=600).acquire()  # a contender with a long timeout still sees the beat move
+    owner.release()
+    assert not storage.exists("owner.json")
+
+
+HOSTILE_LEASES = [json.dumps({"owner": "x", "host": "elsewhere", "pid": 1, "epoch": 4, "heartbeat": time.time() + 3600,
+                              "timeout_s": float("inf")}), "not json {", "[1, 2]", '{"heartbeat": "soon", "epoch": "4"}',
+                  json.dumps({"owner": "y", "host": "elsewhere", "epoch": 4, "heartbeat": time.time() - 3600})]
+
+
+@pytest.mark.parametrize("raw", HOSTILE_LEASES, ids=["future", "garbage", "list", "strings", "past"])
+def test_a_dead_lease_is_taken_over_after_the_timeout_on_this_processs_clock(storage, raw):
+    storage.put("owner.json", raw)
+    storage.put("metrics/train-e000002-x-0001-00000.jsonl", "{}\n")  # a life's epoch survives a garbage lease
+    lease, t0 = no_exit(Lease(storage, timeout_s=0.5)), time.monotonic()
+    lease.acquire()
+    assert 0.5 <= time.monotonic() - t0 < 5
+    assert lease.info["epoch"] == (5 if '"epoch": 4' in raw else 3)
     assert json.loads(storage.get("owner.json"))["owner"] == lease.info["owner"]
-    lease.release()
+    lease.stop.set()
 
 
-def test_a_dead_trainer_on_this_host_is_taken_over_at_once(storage):
-    Lease(storage, timeout_s=600).write(pid=2**22 + 12345)  # beyond pid_max: no such process
-    assert Lease(storage, timeout_s=600).acquire() is not None
+def test_a_deposed_trainer_can_neither_write_behind_its_fence_nor_rewrite_the_lease(storage):
+    old = no_exit(Lease(storage, timeout_s=0.3))
+    old.acquire()
+    old.stop.set()  # paused: it beats no more
+    new = no_exit(Lease(storage, timeout_s=0.3))
+    new.acquire()
+    assert new.info["epoch"] == old.info["epoch"] + 1
+    for deposed in (lambda: old.fenced(storage.put, "DONE", "x"), old.write):
+        with pytest.raises(Deposed):
+            deposed()
+    assert not storage.exists("DONE") and json.loads(storage.get("owner.json"))["owner"] == new.info["owner"]
+    new.fenced(storage.put, "DONE", "x")  # the owner writes
+    new.stop.set()
 
 
-def test_metrics_are_written_in_segments_and_the_last_record_of_a_step_stands(storage):
-    m = Metrics(storage, "train", segment=2)
-    for step, t in [(1, 1.0), (2, 2.0), (3, 3.0), (2, 4.0)]:  # step 2 redone after a crash
-        m.log({"step": step, "time": t}, f"step {step}")
-    assert len(storage.list("metrics")) == 2
-    assert {s: r["time"] for s, r in latest_per_step(read_records(storage, "train")).items()} == {1: 1.0, 2: 4.0, 3: 3.0}
+def test_conditional_writes_refuse_a_writer_that_came_second(storage):
+    token = storage.swap("adapters/LATEST", "a", None)
+    with pytest.raises(FileExistsError):
+        storage.swap("adapters/LATEST", "b", None)  # create-only, and it exists
+    assert storage.versioned("adapters/LATEST") == (b"a", token)
+    storage.swap("adapters/LATEST", "c", token)
+    with pytest.raises(FileExistsError):
+        storage.swap("adapters/LATEST", "d", token)  # that token is stale now
+    storage.put("x/claim", "1", create=True)
+    with pytest.raises(FileExistsError):
+        storage.put("x/claim", "2", create=True)
+    assert storage.get("adapters/LATEST") == b"c" and storage.get("x/claim") == b"1"
+
+
+def test_metrics_are_written_in_segments_and_the_newest_lifes_record_of_a_step_stands(storage, monkeypatch):
+    monkeypatch.setattr(time, "time", lambda: 9e9)  # the first life's clock ran far ahead: it does not matter
+    first = Metrics(storage, "train-e000001", segment=2)
+    for step in (1, 2, 3):
+        first.log({"step": step, "life": 1}, f"step {step}")
+    monkeypatch.undo()
+    Metrics(storage, "train-e000002").log({"step": 2, "life": 2}, "step 2")  # resumed after step 1
+    storage.put("metrics/train-e000002-junk.jsonl", '{"step": 3, "life": 2}\nnot json\n[1]\n{"step": "x"}\n')
+    bad = []
+    records = read_records(storage, "train", bad)
+    assert len(storage.list("metrics")) == 4 and len(bad) == 2
+    assert {s: r["life"] for s, r in latest_per_step(records).items()} == {1: 1, 2: 2, 3: 2}
 
 
 def test_presets_give_both_scripts_the_same_run_settings_and_flags_still_win():
@@ -356,6 +432,35 @@ def test_a_lease_is_free_at_once_only_when_its_owner_died_on_this_host():
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that no process holds now
     here = socket.gethostname()
-    assert dead_here({"host": here, "pid": gone.pid})
-    assert not dead_here({"host": here, "pid": os.getpid()}) and not dead_here({"host": "elsewhere", "pid": gone.pid})
-    assert not any(dead_here({"host": here, "pid": bad}) for bad in ("x", None, 10**30, [1]))
+    lease = lambda host, pid: lease_view(json.dumps({"host": host, "pid": pid}))  # noqa: E731
+    assert dead_here(lease(here, gone.pid))
+    assert not dead_here(lease(here, os.getpid())) and not dead_here(lease("elsewhere", gone.pid))
+    assert not any(dead_here(lease(here, bad)) for bad in ("x", None, 10**30, [1]))
+
+
+def test_a_hostile_trainer_state_falls_back_to_the_checkpoint_before(tmp_path):
+    storage = Storage(str(tmp_path / "run"))
+    model, opt = trained_model_and_optimizer()
+    config = adapter_config(2, 4, DEFAULT_TARGETS, "tiny")
+    names = [save_checkpoint(storage, step, 1, lora_state_dict(model), config, opt, state) for step, state in
+             [(5, STATE), (10, STATE | {"ledger": {"collect": [{"a": 1}]}}), (15, {"version": "7", "stats": []})]]
+    state, skipped = load_checkpoint(storage, *fresh_model_and_optimizer(), names)  # each with a matching MANIFEST
+    assert state["step"] == 5 and skipped == [
+        "step-000015-e000001: damaged (ValueError: trainer_state.json: ['version', 'stats', 'config', 'ledger'] "
+        "missing or of another type)", "step-000010-e000001: damaged (TypeError: unhashable type: 'dict')"]
+
+
+def test_a_checkpoint_saved_on_a_gpu_resumes_on_a_cpu(tmp_path, monkeypatch):
+    storage = Storage(str(tmp_path / "run"))
+    model, opt = trained_model_and_optimizer()
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda s: "cuda:0")  # what torch.save writes on a GPU
+    name = save_checkpoint(storage, 5, 1, lora_state_dict(model), adapter_config(2, 4, DEFAULT_TARGETS, "tiny"), opt, STATE)
+    monkeypatch.undo()
+    blob = io.BytesIO(storage.get(f"checkpoints/{name}/optimizer.pt"))
+    if not torch.cuda.is_available():  # where no GPU is, a plain load fails
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(blob, weights_only=True)
+    other, opt2 = fresh_model_and_optimizer()
+    state, skipped = load_checkpoint(storage, other, opt2, [name])
+    assert state["step"] == 5 and skipped == []
+    assert all(t.device.type == "cpu" for s in opt2.state_dict()["state"].values() for t in s.values())

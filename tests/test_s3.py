@@ -30,7 +30,7 @@ def test_the_demo_runs_on_s3_and_trains_every_group_exactly_once(s3_bucket):
     assert [r["step"] for r in steps] == list(range(1, 21)) and len(ids) == len(set(ids)) == 20 * 8
     assert abs(steps[0]["ratio/mean"] - 1) < 1e-3  # the generator loaded the adapter straight from the bucket
     storage = Storage(run_dir)
-    assert storage.exists("DONE") and storage.list("checkpoints") == ["step-000015", "step-000020"]
+    assert storage.exists("DONE") and storage.list("checkpoints") == ["step-000015-e000001", "step-000020-e000001"]
     latest = storage.get("adapters/LATEST").decode().strip()
     assert storage.exists(f"adapters/{latest}/adapter_model.safetensors")
     for name in storage.list("rollouts"):  # what is left was never trained, and is whole

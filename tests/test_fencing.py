@@ -1,0 +1,204 @@
+"""One owner, fenced: a trainer paused at each write point of a step while another takes the run over, clocks an
+hour apart, a kill during the first checkpoint, and four generators on one trainer. Whatever the paused trainer does
+when it wakes, no group is trained twice, no adapter name gets two sets of weights, LATEST never goes back, and the
+steps' standing records are the new owner's lineage.
+
+    python -m pytest -q tests/test_fencing.py
+"""
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import ROOT, gen_records, train_records
+from test_faults import TRAIN, py
+
+from minigrpo.lora import adapter_digest
+from minigrpo.storage import Storage
+
+
+class Audit(threading.Thread):
+    """Every 10 ms: the version LATEST names (it must never go back) and the weights under every adapter name (one
+    digest a name, ever: a file that changed is read again)."""
+
+    def __init__(self, run_dir):
+        super().__init__(daemon=True)
+        self.root, self.stop, self.latest, self.digests, self.stats = run_dir, threading.Event(), [], {}, {}
+
+    def look(self):
+        with contextlib.suppress(OSError):
+            name = open(f"{self.root}/adapters/LATEST").read().strip()
+            if name and (not self.latest or self.latest[-1] != name):
+                self.latest.append(name)
+        for name in os.listdir(f"{self.root}/adapters") if os.path.isdir(f"{self.root}/adapters") else []:
+            path = f"{self.root}/adapters/{name}/adapter_model.safetensors"
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                if self.stats.get(name) != (key := (st.st_ino, st.st_mtime_ns, st.st_size)):
+                    self.stats[name] = key
+                    self.digests.setdefault(name, set()).add(adapter_digest(open(path, "rb").read()))
+
+    def run(self):
+        while not self.stop.is_set():
+            time.sleep(0.01)
+            self.look()
+
+    def finish(self) -> dict:
+        self.stop.set()
+        self.join()
+        self.look()
+        versions = [int(n.rsplit("-v", 1)[1]) for n in self.latest]
+        return {"latest_went_back": versions != sorted(versions), "names": len(self.digests),
+                "names_with_two_digests": sum(len(d) > 1 for d in self.digests.values())}
+
+
+def standing(run_dir) -> dict[int, tuple[int, dict]]:
+    """{step: (epoch of the life that wrote it, record)} of the records that stand (read segment by segment)."""
+    storage, out = Storage(run_dir), {}
+    for f in sorted(storage.list("metrics")):
+        if m := re.match(r"train-e(\d+)-", f):
+            for line in storage.get(f"metrics/{f}").decode().splitlines():
+                out[json.loads(line)["step"]] = int(m[1]), json.loads(line)
+    return out
+
+
+def wait_for(what, proc, log, timeout=240):
+    deadline = time.time() + timeout
+    while not what():
+        assert proc.poll() is None and time.time() < deadline, open(log).read()[-3000:]
+        time.sleep(0.05)
+
+
+def stopped(pid) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def pause_and_take_over(tmp_path, point, pause_step=6, wake_after=1, steps=12, pause_s=0.0) -> dict:
+    """Trainer A stops at `point` (SIGSTOP); B takes the run over and A wakes once B has logged `wake_after` steps
+    (and pause_s more seconds). Returns the audit of the run once all have ended (bench/fencing_trials.py runs it)."""
+    run_dir, log_a, log_b = str(tmp_path / "run"), str(tmp_path / "a.log"), str(tmp_path / "b.log")
+    args = [*TRAIN, "--run_dir", run_dir, "--max_steps", str(steps), "--lease_timeout_s", "2"]
+    gen = py("generate.py", "--run_dir", run_dir, "--generator_id", "g0", "--max_ready", "8")
+    audit, procs = Audit(run_dir), [gen]
+    audit.start()
+    try:
+        a = py(*args, log=log_a, env={"MINIGRPO_FAULT": f"{point}:{pause_step}:pause"})
+        procs.append(a)
+        wait_for(lambda: "MINIGRPO_FAULT: pausing" in open(log_a).read() and stopped(a.pid), a, log_a)
+        b = py(*args, log=log_b)
+        procs.append(b)
+        wait_for(lambda: b.poll() is not None or  # it may finish at once: A was paused after the last step
+                 len(re.findall(r"step \d+/\d+ \| reward", open(log_b).read())) >= wake_after, a, log_a)
+        time.sleep(pause_s)
+        os.kill(a.pid, signal.SIGCONT)
+        a.wait(timeout=120)
+        assert b.wait(timeout=300) == 0, open(log_b).read()[-3000:]
+        assert gen.wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+    out = audit.finish()
+    resumed = re.search(r"resumed from .*step-(\d+)-e\d+ \(step", open(log_b).read())
+    from_step, records = int(resumed[1]) if resumed else 0, standing(run_dir)
+    ids = [g for s, (_, r) in records.items() if s for g in r["group_ids"]]
+    last = records.get(steps, (0, {}))[1]  # every group written was trained once, dropped, quarantined, or waits
+    written, left = 8 * len(gen_records(run_dir, "g0")), len(Storage(run_dir).list("rollouts"))
+    return out | {
+        "a_exit": a.returncode, "a_lost_lease": "lease lost" in open(log_a).read(), "trained_twice": len(ids) - len(set(ids)),
+        "lineage": {s: e for s, (e, _) in records.items() if s} == {s: 1 if s <= from_step else 2 for s in range(1, steps + 1)},
+        "trained": len(ids), "unaccounted": written - len(ids) - last.get("sample/dropped_stale_total", 0)
+        - last.get("sample/bad_total", 0) - left}
+
+
+def assert_fenced(audit: dict, steps=12):
+    assert audit["a_exit"] == 1 and audit["a_lost_lease"], audit
+    assert audit["trained_twice"] == 0 and audit["trained"] == steps * 4 and audit["unaccounted"] == 0, audit
+    assert audit["names_with_two_digests"] == 0 and not audit["latest_went_back"] and audit["names"] > 0, audit
+    assert audit["lineage"], audit  # every step 1..N: one standing record, from the new owner's lineage
+
+
+@pytest.mark.parametrize("point", ["before_publish", "before_latest", "before_metrics", "after_metrics", "mid_gc"])
+def test_a_trainer_paused_at_a_write_point_wakes_to_a_fence(tmp_path, point):
+    assert_fenced(pause_and_take_over(tmp_path, point))
+
+
+def test_clocks_an_hour_apart_decide_nothing(tmp_path):
+    """The first trainer's clock runs an hour ahead and it dies after step 6; the second's runs an hour behind, and
+    so does the generator's. The newest life's records stand, and backpressure holds (it once compared the
+    trainer's timestamps with the generator's clock)."""
+    run_dir, log = str(tmp_path / "run"), str(tmp_path / "a.log")
+    gen = py("generate.py", "--run_dir", run_dir, "--generator_id", "g0", "--max_ready", "8",
+             env={"MINIGRPO_FAULT": "clock:-3600"})
+    try:
+        first = py(*TRAIN, "--run_dir", run_dir, log=log, env={"MINIGRPO_FAULT": "clock:3600,after_metrics:6"})
+        assert first.wait(timeout=300) == 137, open(log).read()[-3000:]
+        second = subprocess.run([sys.executable, *TRAIN, "--run_dir", run_dir], cwd=ROOT, capture_output=True, text=True,
+                                timeout=300, env=dict(os.environ, MINIGRPO_FAULT="clock:-3600"))
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+        assert gen.wait(timeout=60) == 0
+    finally:
+        gen.kill()
+    records = standing(run_dir)
+    assert {s: e for s, (e, _) in records.items() if s} == {s: 1 if s <= 4 else 2 for s in range(1, 13)}
+    steps = train_records(run_dir)
+    assert max(r["sample/rollout_queue_size"] for r in steps) <= 8  # backpressure held (--max_ready 8)
+
+
+def test_a_kill_during_the_first_checkpoint_restarts_from_step_0(tmp_path):
+    run_dir, log = str(tmp_path / "run"), str(tmp_path / "a.log")
+    gen = py("generate.py", "--run_dir", run_dir, "--generator_id", "g0", "--max_ready", "8")
+    try:
+        first = py(*TRAIN, "--run_dir", run_dir, log=log, env={"MINIGRPO_FAULT": "after_metrics:4"})
+        assert first.wait(timeout=300) == 137, open(log).read()[-3000:]
+        storage = Storage(run_dir)  # what a kill inside save_checkpoint leaves: some files, no MANIFEST
+        storage.put("checkpoints/step-000004-e000001/trainer_state.json", "{")
+        os.makedirs(os.path.join(run_dir, "checkpoints", "step-000004"))
+        second = subprocess.run([sys.executable, *TRAIN, "--run_dir", run_dir, "--max_steps", "6"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+        assert gen.wait(timeout=60) == 0
+    finally:
+        gen.kill()
+    assert "resumed from" not in second.stdout and "took over the run" in second.stdout
+    records = standing(run_dir)
+    assert {s: e for s, (e, _) in records.items()} == {s: 2 for s in range(7)}  # all redone, by the second life
+    ids = [g for s, (_, r) in records.items() if s for g in r["group_ids"]]
+    assert len(ids) == len(set(ids)) == 6 * 4
+    assert Storage(run_dir).list("checkpoints") == ["step-000004-e000002", "step-000006-e000002"]
+
+
+def stale_share(run_dir, generators: int, steps: int, root=ROOT, timeout=900) -> dict:
+    """The demo's trainer (fewer evaluations) beside N generators: the share of the groups it consumed that it
+    dropped as stale, and the longest queue it saw. bench/generators_stale.py runs it for 1, 2 and 4."""
+    gens = [subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", f"g{i}"], cwd=root,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for i in range(generators)]
+    try:
+        t0 = time.time()
+        train = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", str(steps),
+                                "--eval_every", "1000", "--eval_size", "50"], cwd=root, capture_output=True, text=True,
+                               timeout=timeout)
+        assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+        assert all(g.wait(timeout=120) == 0 for g in gens)
+    finally:
+        for g in gens:
+            g.kill()
+    records = [r for r in (json.loads(x) for f in sorted(os.listdir(f"{run_dir}/metrics")) if f.startswith("train")
+                           for x in open(f"{run_dir}/metrics/{f}")) if r["step"] > 0]
+    dropped, trained = records[-1]["sample/dropped_stale_total"], sum(len(r["group_ids"]) for r in records)
+    return {"generators": generators, "steps": steps, "stale_share": dropped / (dropped + trained),
+            "max_queue": max(r["sample/rollout_queue_size"] for r in records), "wall_s": time.time() - t0}
+
+
+def test_four_generators_on_one_trainer_drop_at_most_one_percent_as_stale(tmp_path):
+    """Together they stay within --max_ready (64) of what the trainer consumed, so a group waits at most two steps."""
+    out = stale_share(str(tmp_path / "run"), generators=4, steps=100)
+    assert out["stale_share"] <= 0.01 and out["max_queue"] <= 64, out
