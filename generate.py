@@ -74,20 +74,20 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
 
 
 def waiting_groups(buffer: RolloutBuffer, watch: Watch, writer: str, written: int, batch: int) -> tuple[int, dict]:
-    """(groups that will wait for the trainer once this generator writes its next batch, the trainer's lease), counted
-    so that N generators together stay within --max_ready. A live lease (changed within its timeout, on this
-    process's clock) tells what waited at the trainer's last listing, each writer's last group in it and how many
-    writers are at work: each takes an equal share of the room, so its own groups since that listing count N times.
-    0 while the trainer waits for more than there is. Without a live lease, or before the trainer has listed this
-    generator's groups: the listing of rollouts/, less what the trainer consumed."""
+    """(groups that will wait once this generator writes its next batch, counted so that N generators together stay
+    within --max_ready; the trainer's lease). A live lease (it changed within its timeout, on this process's clock)
+    gives what waited at the trainer's last listing, each writer's last group in it and the N writers at work: each
+    takes 1/N of the room. 0 while the trainer waits for more than there is. Without a live lease, or before the
+    trainer listed this generator's groups: the listing of rollouts/, each writer in it adding a batch."""
     raw = None
     with contextlib.suppress(FileNotFoundError, ValueError):
         raw = buffer.storage.get("owner.json")
     lease = lease_view(raw)
     unseen, n = written - 1 - lease["seen"].get(writer, -1), lease["writers"] + (writer not in lease["seen"])
     if watch.unchanged_s(raw) > lease["timeout_s"] or lease["waiting"] < 0 or unseen and writer not in lease["seen"]:
-        waiting = len(buffer.listed()) - lease["pending"]
-        return 0 if waiting < lease["groups_per_step"] else waiting + batch, lease
+        listed = buffer.listed()  # consumed groups too, until garbage collection: it errs on the safe side
+        n = len({gid.rsplit("-", 1)[0] for gid in listed} | {writer})
+        return 0 if len(listed) < lease["groups_per_step"] else len(listed) + n * batch, lease
     return 0 if not unseen and lease["waiting"] < lease["groups_per_step"] else lease["waiting"] + n * (unseen + batch), lease
 
 

@@ -77,9 +77,9 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def report_progress(lease, ledger, buffer, **more):
-    """Tell the generators, through the lease, what this trainer consumed and what it saw waiting at its listing."""
-    lease.write(pending=ledger.pending(), **buffer.progress(), **more)
+def report_progress(lease, buffer, **more):
+    """Tell the generators, through the lease, what this trainer saw waiting at its last listing of rollouts/."""
+    lease.write(**buffer.progress(lease.timeout_s), **more)
 
 
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
@@ -104,7 +104,7 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
         else:
             time.sleep(buffer.storage.poll_s)
         if len(groups) < cfg.groups_per_step and time.time() - told > 1.0:
-            report_progress(lease, ledger, buffer)
+            report_progress(lease, buffer)
             told = time.time()
     return groups, time.time() - t0
 
@@ -256,7 +256,8 @@ def main():
     # the ranks of one job share rank 0's lease; a lock-step generator reads groups_per_step from it
     lease = Lease(storage, cfg.lease_timeout_s, groups_per_step=cfg.groups_per_step) if rank == 0 else None
     if lease and (previous := lease.acquire()):
-        print(f"took over the run from trainer {previous.get('owner')} (host {previous.get('host')})", flush=True)
+        print(f"took over the run from trainer {previous['owner'] or '? (owner.json was not a lease)'} (host "
+              f"{previous['host']}, epoch {previous['epoch']}); this is epoch {lease.info['epoch']}", flush=True)
     meta = create_run(storage, run) if rank == 0 else None
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -305,7 +306,7 @@ def main():
         validate = partial(check_group, run=meta, vocab_size=model.config.vocab_size, version=version,
                            digest_of=store.digest)
         groups, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, stats)
-        report_progress(lease, ledger, buffer, step=step, version=version)  # now: the generators may fill the room
+        report_progress(lease, buffer, step=step, version=version)  # now: the generators may fill the room
         staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains
         samples, rewards, lengths = build_samples(groups, run, cfg)
         t1 = time.time()

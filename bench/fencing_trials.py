@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent / d) for d in ("", "tests")]
 from test_fencing import pause_and_take_over  # noqa: E402
 
 POINTS = ["before_publish", "before_latest", "before_metrics", "after_metrics", "after_checkpoint", "mid_gc"]

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent / d) for d in ("", "tests")]
 from test_fencing import stale_share  # noqa: E402
 
 if __name__ == "__main__":

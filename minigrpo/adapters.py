@@ -2,9 +2,8 @@
 
 Version v is the PEFT directory RUN/adapters/policy-<run id>-v<v:06d>/ (v0, with B = 0, is exactly the base model),
 named by RUN/adapters/LATEST once its weights, written last, exist. A name always means one set of weights (vLLM
-keys its prefix cache by adapter name), so names carry the run id, and a version's adapter_config.json claims its
-name with a create-only write and stays when retention deletes the weights: no name is written twice, not by a
-restart, not by a trainer that lost its lease.
+keys its prefix cache by adapter name): names carry the run id, and adapter_config.json claims a name create-only
+and stays when retention deletes the weights, so no restart and no deposed trainer ever writes a name twice.
 """
 import contextlib
 import re
@@ -36,8 +35,7 @@ class AdapterStore:
         return max([at_least - 1, self.latest() or -1, *self.versions()]) + 1
 
     def write(self, version: int, state: dict, config: dict) -> int:
-        """A version's files under the first unclaimed name from `version` on, the weights last. Returns the version
-        it used. Nobody loads it until set_latest() names it."""
+        """A version's files under the first unclaimed name from `version` on, weights last; returns that version."""
         files = adapter_files(state, config)
         while True:
             try:
@@ -50,8 +48,8 @@ class AdapterStore:
         return version
 
     def set_latest(self, version: int, keep: int):
-        """Point LATEST at a written version (a conditional write), then delete the weights of versions that left the
-        window one publish ago: a server may re-read an evicted adapter from its path."""
+        """Point LATEST at a version (conditionally), then delete the weights of versions that left the window one
+        publish ago (a server may re-read an evicted adapter from its path)."""
         try:
             self.token = self.storage.swap("adapters/LATEST", self.name(version) + "\n",
                                            self.token or self.storage.versioned("adapters/LATEST")[1])

@@ -30,8 +30,10 @@ def save_checkpoint(storage, step: int, epoch: int, model_state: dict, adapter_c
 
 
 def prune_checkpoints(storage, keep: list[str]):
-    """Delete every checkpoint but those the lease names: older ones, and what a killed or deposed life left."""
-    storage.delete([f"checkpoints/{s}" for s in storage.list("checkpoints") if s not in keep], recursive=True)
+    """Delete the checkpoints older than those the lease names, what killed or deposed lives left among them too."""
+    oldest = min(int(NAME.match(s)[1]) for s in keep)
+    storage.delete([f"checkpoints/{s}" for s in storage.list("checkpoints") if (m := NAME.match(s)) and int(m[1]) < oldest],
+                   recursive=True)
 
 
 def load_checkpoint(storage, model, optimizer, names: list[str] | None = None) -> tuple[dict | None, list[str]]:

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -113,15 +114,11 @@ class Ledger:
     def advance(self):
         self.collect, self.consumed, self.taken = self.consumed, self.taken, set()
 
-    def pending(self) -> int:
-        """Consumed groups that may still sit in rollouts/ (generators subtract them from what they see)."""
-        return len(self.consumed) + len(self.taken)
-
 
 class RolloutBuffer:
     def __init__(self, storage):
         self.storage, self.order = storage, {}  # order: unconsumed group ids in the order first seen (FIFO)
-        self.seen, self.told = {}, {}  # each writer's last sequence number in the last listing, and in the last report
+        self.seen, self.active = {}, {}  # each writer's last sequence number in the last listing; when it last grew
 
     def write(self, groups: list[Group], writer: str, seq: int) -> list[str]:
         """Add finished groups, one object each, numbered from seq on (together: one round trip on a bucket)."""
@@ -136,11 +133,11 @@ class RolloutBuffer:
 
     def take(self, n: int, ledger: Ledger, validate=lambda group: None, stats=None) -> list[Group]:
         """Up to n of the oldest groups the ledger has not seen, recorded in it; one that fails is quarantined."""
-        stats, listed = {} if stats is None else stats, self.listed()
-        self.seen = {}
+        stats, listed, seen = {} if stats is None else stats, self.listed(), {}
         for gid in listed:
-            writer, seq = gid.rsplit("-", 1)[0], sequence_number(gid)[0]
-            self.seen[writer] = max(seq, self.seen.get(writer, -1))
+            seen[writer] = max(sequence_number(gid)[0], seen.get(writer := gid.rsplit("-", 1)[0], -1))
+        self.active |= {w: time.monotonic() for w, s in seen.items() if s > self.seen.get(w, -1)}
+        self.seen = seen
         new = sorted((i for i in listed if i not in ledger.skip), key=sequence_number)
         self.order.update(dict.fromkeys(new))  # new ones join the end by sequence number; known ones keep their place
         groups = []
@@ -167,16 +164,14 @@ class RolloutBuffer:
                 groups.append(group)
         return groups
 
-    def progress(self) -> dict:
-        """What the generators pace themselves by (README, "Backpressure"): the groups waiting at the last listing,
-        each writer's last group in it, and how many writers are at work (groups waiting, or new ones since the last
-        report)."""
-        busy = {gid.rsplit("-", 1)[0] for gid in self.order} | {w for w, s in self.seen.items() if s > self.told.get(w, -1)}
-        self.told = self.seen
-        return {"waiting": len(self.order), "seen": self.seen, "writers": len(busy)}
+    def progress(self, window_s: float) -> dict:
+        """For backpressure: what waited at the last listing, each writer's last group in it, and how many writers
+        wrote a new group within window_s (on this process's clock)."""
+        now = time.monotonic()
+        return {"waiting": len(self.order), "seen": self.seen, "writers": sum(now - t < window_s for t in self.active.values())}
 
     def quarantine(self, group_id: str, data: bytes | Exception, reason: str, stats: dict):
-        """Keep the evidence in bad/ under a name that fits any store, then remove the entry from rollouts/."""
+        """Keep the evidence in bad/ (under a name any store takes), then remove the entry from rollouts/."""
         stats["bad_total"] = stats.get("bad_total", 0) + 1
         safe = group_id if re.fullmatch(r"[\w.-]{1,100}", group_id, re.ASCII) else re.sub(r"[^\w.-]", "_", group_id[:80], flags=re.ASCII) \
             + "-" + hashlib.sha256(group_id.encode(errors="surrogateescape")).hexdigest()[:12]

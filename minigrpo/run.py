@@ -133,8 +133,8 @@ def dead_here(lease: dict) -> bool:
     return False
 
 
-LEASE = {"owner": "", "host": "", "pid": 0, "epoch": 0, "timeout_s": 60.0, "checkpoints": None, "pending": 0,
-         "waiting": -1, "seen": {}, "writers": 0, "groups_per_step": 1}  # what readers rely on, and the defaults
+LEASE = {"owner": "", "host": "", "pid": 0, "epoch": 0, "timeout_s": 60.0, "checkpoints": None, "waiting": -1,
+         "seen": {}, "writers": 0, "groups_per_step": 1}  # the fields readers rely on, and their defaults
 
 
 def lease_view(raw: bytes | None) -> dict:

@@ -95,7 +95,6 @@ class Storage:
                 out.append(e)
         return out
 
-    # ---- the two pointers that are replaced (adapters/LATEST, owner.json): conditional writes ----
     def versioned(self, key: str) -> tuple[bytes | None, str | None]:
         """(the object or None, its version token: S3's ETag, elsewhere a hash of the bytes)."""
         try:
@@ -108,9 +107,8 @@ class Storage:
             return None, None
 
     def swap(self, key: str, data: bytes | str, token: str | None) -> str:
-        """Replace an object only if it is still the version `token` (None: only if absent), and return the new
-        token; FileExistsError if another writer came in between. S3: If-Match / If-None-Match. A local disk: the
-        look and the write under the run's lock. Elsewhere a look, then the write."""
+        """Replace an object only if it is still version `token` (None: absent); returns the new token, or raises
+        FileExistsError. S3: If-Match / If-None-Match; a local disk: look and write under the run's lock."""
         data = data.encode() if isinstance(data, str) else data
         if self.s3:
             with self._naming("write", key):

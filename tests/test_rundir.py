@@ -286,7 +286,11 @@ def test_a_damaged_or_incomplete_newest_checkpoint_falls_back_to_the_one_before(
     model, opt = trained_model_and_optimizer()
     config = adapter_config(2, 4, DEFAULT_TARGETS, "tiny")
     names = [save_checkpoint(storage, step, 1, lora_state_dict(model), config, opt, STATE) for step in (5, 10, 15)]
+    storage.put("checkpoints/step-000004-e000009/MANIFEST", "{}")  # what another life left, older
+    storage.put("checkpoints/step-000012-e000009/MANIFEST", "{}")  # newer: a deposed life's, never named
     prune_checkpoints(storage, names[1:])
+    assert storage.list("checkpoints") == ["step-000010-e000001", "step-000012-e000009", "step-000015-e000001"]
+    storage.delete("checkpoints/step-000012-e000009", recursive=True)
     assert storage.list("checkpoints") == ["step-000010-e000001", "step-000015-e000001"]
     blob = storage.get("checkpoints/step-000015-e000001/optimizer.pt")
     storage.put("checkpoints/step-000015-e000001/optimizer.pt", blob[: len(blob) // 2])  # cut in half
