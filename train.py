@@ -22,6 +22,7 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from functools import partial
 
 import torch
@@ -59,8 +60,17 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
     micro_batch_tokens: int = field(default=4096, metadata={"help": "packed tokens per forward/backward micro-batch"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward: less memory"})
     seed: int = field(default=0, metadata={"help": "seed for the LoRA init and the evaluation samples"})
-    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
-    dtype: str = field(default="float32", metadata={"help": "base weights: float32 | bfloat16 | float16 (LoRA and loss stay float32)"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps (under torchrun a GPU "
+                        "rank always takes cuda:LOCAL_RANK)"})
+    collective_timeout_s: float = field(default=600.0, metadata={"help": "torchrun: deadline of the gradient all-reduce "
+                                        "(NCCL's default); rank 0's solo work between steps is not bound by it"})
+    eval_batch_size: int = field(default=256, metadata={"help": "held-out prompts sampled together: bounds the "
+                                 "evaluation's KV cache (the accuracy does not depend on it: each problem has its seed)"})
+    policy_check_tol: float = field(default=0.1, metadata={"help": "a group sampled at the trainer's own version "
+                                    "whose mean |log pi_theta - log mu| per token exceeds this was not sampled with "
+                                    "the weights it names: counted and reported loudly (0: off)"})
+    dtype: str = field(default="float32", metadata={"help": "base weights: float32 | bfloat16 (LoRA and loss stay "
+                       "float32; float16 is refused: without loss scaling its small gradients flush to zero)"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the generator)"})
     wait_timeout_s: float = field(default=600.0, metadata={"help": "fail if no rollout arrives for this long"})
     lease_timeout_s: float = field(default=60.0, metadata={"help": "one trainer owns a run (RUN/owner.json); another "
@@ -72,6 +82,9 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
         super().__post_init__()
         if self.old_logp not in ("behavior", "recompute"):
             raise ValueError(f"--old_logp must be behavior or recompute, got {self.old_logp!r}")
+        if self.dtype == "float16":
+            raise ValueError("--dtype float16 is refused for training: minigrpo has no loss scaling, and Dr. GRPO's "
+                             "per-token gradients (~1e-6) fall below float16's range. Use --dtype bfloat16.")
         if self.tis_cap is None and self.old_logp == "recompute":
             self.tis_cap = 2.0
 
@@ -121,15 +134,27 @@ def build_samples(groups, run, cfg):
     return samples, rewards, lengths
 
 
+def policy_mismatches(groups, samples, version, world, tol) -> list:
+    """The groups that name `version`, the weights train_step just scored them with, yet whose mean
+    |log pi_theta - log mu| per token exceeds tol: their sampler did not apply the adapter it names (a replica
+    serving the base model or a stale LoRA under that name). Otherwise it would pass for staleness. Rank 0 scored
+    every world-th sample, which is enough to tell."""
+    G, gap, tokens = len(samples) // len(groups), {}, {}
+    for j in range(0, len(samples), world):
+        gap[j // G] = gap.get(j // G, 0.0) + samples[j].gap
+        tokens[j // G] = tokens.get(j // G, 0) + len(samples[j].behav)
+    return [groups[i] for i in gap if groups[i].policy_version == version and gap[i] > tol * tokens[i] and tol > 0]
+
+
 def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
     """Forward/backward over packed micro-batches with the whole batch's normaliser, then one AdamW step.
     Data-parallel: each rank takes every world-th sample; reduce() sums the gradients across ranks."""
     num_tokens = sum(len(s.behav) for s in samples)  # of the whole batch, on every rank
-    micro = [collate(mb, device, len(samples), num_tokens)
-             for mb in micro_batches(samples[rank::world], cfg.micro_batch_tokens)]
+    mbs = micro_batches(samples[rank::world], cfg.micro_batch_tokens)
     parts, loss_sum = [], 0.0
     model.train(cfg.gradient_checkpointing)  # transformers checkpoints only in train mode (no dropout in these models)
-    for inputs, batch in micro:
+    for mb in mbs:
+        inputs, batch = collate(mb, device, len(samples), num_tokens)
         if cfg.beta > 0:  # pi_ref: the base model, i.e. the adapter switched off
             with torch.no_grad(), lora_disabled(model):
                 batch.ref = packed_logprobs(model, *inputs, run.temperature)[0]
@@ -139,6 +164,9 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
             batch.old = logp.detach()
         loss, m = grpo_loss(logp, batch, cfg, run.max_new_tokens)
         loss.backward()
+        gap = ((logp.detach() - batch.behav).abs() * batch.mask).sum(1)  # (b,) summed |log pi_theta - log mu|
+        for s, g in zip(mb, gap.tolist()):
+            s.gap = g  # rank 0's samples: main() checks the groups sampled with these very weights
         parts.append(m | {"entropy": (entropy * batch.mask).sum().item() / max(m["tokens"], 1)})
         loss_sum += loss.item()
     model.eval()  # and the engine needs eval mode for its KV cache
@@ -147,16 +175,29 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return combine_metrics(parts) | {"loss": loss_sum, "grad_norm": grad_norm, "perf/micro_batches": len(micro)}
+    return combine_metrics(parts) | {"loss": loss_sum, "grad_norm": grad_norm, "perf/micro_batches": len(mbs)}
 
 
 # ---- data parallel (torchrun): rank 0 leads, reading groups, publishing, checkpointing and logging ----
-def distributed() -> tuple[int, int]:
-    """(rank, world size). Under torchrun, join the process group."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return int(os.environ.get("RANK", "0")), world
+def distributed(device: str, timeout_s: float):
+    """(rank, world size, this rank's device, the group its batch arrives by). Under torchrun a GPU rank binds to
+    cuda:LOCAL_RANK before it joins (NCCL stages collectives on the current device), and a CPU rank uses gloo.
+    Rank 0 works alone between steps: it waits for rollouts, evaluates, checkpoints. The others wait for its batch in
+    share(), over a gloo group of their own with no deadline, so the main group's timeout (NCCL's watchdog) only ever
+    times the gradient all-reduce. If rank 0 dies, that group's connections close and the others fail too."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device)
+    if world == 1:
+        return 0, 1, device, None
+    if device.type == "cuda":
+        if local >= torch.cuda.device_count():
+            raise SystemExit(f"torchrun started local rank {local}, but {torch.cuda.device_count()} GPUs are visible: "
+                             f"--nproc_per_node must be at most that (or set CUDA_VISIBLE_DEVICES)")
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    return dist.get_rank(), world, device, dist.new_group(backend="gloo", timeout=timedelta(days=365))
 
 
 def same_start(params, world: int):
@@ -165,12 +206,12 @@ def same_start(params, world: int):
         dist.broadcast(p.data, src=0)
 
 
-def share(obj, world: int):
+def share(obj, group):
     """Rank 0's object on every rank (the batch of samples: kilobytes to megabytes of token ids)."""
-    if world == 1:
+    if group is None:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -187,13 +228,15 @@ def reduce(params, parts: list[dict], loss_sum: float, world: int):
     return [m for g in gathered for m in g[0]], sum(g[1] for g in gathered)
 
 
-def evaluate(engine, tokenizer, task, problems, run, seed) -> float:
-    """pass@1 at the run's temperature on a fixed held-out set: problem i has its own seed, the same
-    draws at every evaluation, so successive evaluations differ only by the weights."""
+def evaluate(engine, tokenizer, task, problems, run, seed, batch_size) -> float:
+    """pass@1 at the run's temperature on a fixed held-out set, batch_size problems at a time: problem i has its own
+    seed, the same draws at every evaluation and in any batch, so successive evaluations differ only by the weights."""
     prompts = [prompt_ids(tokenizer, p.prompt, run.system_prompt) for p in problems]
     params = [SamplingParams(max_tokens=run.max_new_tokens, temperature=run.temperature, seed=seed * 1_000_003 + i)
               for i in range(len(prompts))]
-    return sum(r[0] for r in score(task, tokenizer, problems, engine.generate(prompts, params))) / len(problems)
+    outs = [c for i in range(0, len(prompts), batch_size)
+            for c in engine.generate(prompts[i:i + batch_size], params[i:i + batch_size])]
+    return sum(r[0] for r in score(task, tokenizer, problems, outs)) / len(problems)
 
 
 def publish(store, lease, model, version, config, run, step) -> tuple[int, float]:
@@ -210,7 +253,8 @@ def publish(store, lease, model, version, config, run, step) -> tuple[int, float
 def check_settings(saved: dict, cfg) -> list[str]:
     """Training settings a resume must keep (the math of the run); the others may change freely."""
     free = {"run_dir", "max_steps", "save_every", "eval_every", "eval_size", "micro_batch_tokens", "device",
-            "threads", "wait_timeout_s", "lease_timeout_s", "allow_new_settings", "gradient_checkpointing"}
+            "threads", "wait_timeout_s", "lease_timeout_s", "allow_new_settings", "gradient_checkpointing",
+            "eval_batch_size", "policy_check_tol", "collective_timeout_s"}
     return [f"{k}: the checkpoint has {saved[k]!r}, this command has {v!r}" for k, v in asdict(cfg).items()
             if k not in free and k in saved and saved[k] != v]
 
@@ -248,7 +292,7 @@ def step_record(step, version, groups, staleness, rewards, lengths, m, stats, ru
 # ---------------------------------------------------------------------------------------------------------------
 def main():
     run, cfg = parse_config(RunSettings, TrainConfig)
-    rank, world = distributed()
+    rank, world, device, waiting = distributed(cfg.device, cfg.collective_timeout_s)
     storage = Storage(cfg.run_dir)
     if rank == 0 and storage.exists("DONE"):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists). "
@@ -262,7 +306,7 @@ def main():
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    device, G = pick_device(cfg.device), run.group_size
+    G = run.group_size
     model, tokenizer = load_model(run.model, device, cfg.dtype)
     inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
     if cfg.gradient_checkpointing:
@@ -274,14 +318,14 @@ def main():
     eval_problems = task.eval_problems(cfg.eval_size)
     peft_config = adapter_config(run.lora_r, run.lora_alpha, run.lora_targets, resolve_model(run.model))
 
-    state = resume(storage, model, optimizer, cfg, share(lease and lease.info["checkpoints"], world))
+    state = resume(storage, model, optimizer, cfg, share(lease and lease.info["checkpoints"], waiting))
     counters = ("dropped_stale_total", "dropped_zero_std_total", "bad_total", "attribution_mismatch")
     step, stats = (state["step"], state["stats"]) if state else (0, dict.fromkeys(counters, 0))
     same_start(params, world)
     if rank > 0:  # the other ranks only compute: rank 0 reads groups, publishes, checkpoints and logs
         while step < cfg.max_steps:
             step += 1
-            train_step(model, optimizer, share(None, world), run, cfg, device, rank, world)
+            train_step(model, optimizer, share(None, waiting), run, cfg, device, rank, world)
         dist.destroy_process_group()
         return
     ledger = Ledger(state and state["ledger"])
@@ -290,13 +334,15 @@ def main():
     # ---- publish first: version 0 is the untrained adapter, a resume publishes its weights under a new name ----
     version = store.next_version(at_least=state["version"] + 1 if state else 0)
     version = publish(store, lease, model, version, peft_config, run, step)[0]
+    exact = True  # the weights are exactly `version`'s, so groups sampled with it must match the trainer's log-probs
     adapter_mb = sum(p.numel() for p in params) * 4 / 2**20
     print(f"trainer on {device}: {cfg.groups_per_step} groups x G={G} = {cfg.groups_per_step * G} completions per "
           f"step, {cfg.max_steps} steps, max_staleness {run.max_staleness}, adapter {adapter_mb:.2f} MB "
           f"(published {store.url(version)}), eval on {len(eval_problems)} held-out problems\n"
           f"  {asdict(run)}\n  {asdict(cfg)}", flush=True)
+    evaluate_now = partial(evaluate, engine, tokenizer, task, eval_problems, run, cfg.seed, cfg.eval_batch_size)
     if step == 0:
-        acc = evaluate(engine, tokenizer, task, eval_problems, run, cfg.seed)
+        acc = evaluate_now()
         metrics.log({"step": 0, "eval/accuracy": acc, "version": version, "time": time.time()},
                     f"step 0/{cfg.max_steps} | eval/accuracy {acc:.3f} (n={len(eval_problems)})")
 
@@ -310,19 +356,26 @@ def main():
         staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains
         samples, rewards, lengths = build_samples(groups, run, cfg)
         t1 = time.time()
-        m = train_step(model, optimizer, share(samples, world), run, cfg, device, 0, world)
+        m = train_step(model, optimizer, share(samples, waiting), run, cfg, device, 0, world)
         fwd_bwd_s, sync_s = time.time() - t1, 0.0
-        if step % cfg.sync_every == 0:
+        unapplied = policy_mismatches(groups, samples, version, world, cfg.policy_check_tol) if exact else []
+        stats["policy_mismatch_total"] = stats.get("policy_mismatch_total", 0) + len(unapplied)
+        exact = step % cfg.sync_every == 0  # the weights will be exactly the version published next
+        if exact:
             version += 1
             version, sync_s = publish(store, lease, model, version, peft_config, run, step)
         # the record's version is the one this step just published; staleness was measured before it
         record = step_record(step, version, groups, staleness, rewards, lengths, m, stats, run)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            record["eval/accuracy"] = evaluate(engine, tokenizer, task, eval_problems, run, cfg.seed)
-        record |= {"sample/rollout_queue_size": len(buffer.order), "perf/rollout_wait_s": wait_s,
-                   "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s, "perf/step_s": time.time() - t0,
-                   "lr": cfg.lr, "time": time.time()}
+            record["eval/accuracy"] = evaluate_now()
+        record |= {"sample/policy_mismatch": len(unapplied), "sample/rollout_queue_size": len(buffer.order),
+                   "perf/rollout_wait_s": wait_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s,
+                   "perf/step_s": time.time() - t0, "lr": cfg.lr, "time": time.time(),
+                   "perf/peak_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0}
         acc = f" | eval/accuracy {record['eval/accuracy']:.3f}" if "eval/accuracy" in record else ""
+        if unapplied:  # the field's costliest async-LoRA bug: say it on the step line, not only in the metrics
+            acc += (f" | POLICY MISMATCH: {len(unapplied)} groups named v{unapplied[0].policy_version} but were not "
+                    f"sampled with its weights (generators {sorted({g.generator_id for g in unapplied})})")
         # the record comes before the checkpoint that covers it: a redone step's newer life writes a newer one
         fault("before_metrics", step)
         metrics.log(record, f"step {step}/{cfg.max_steps} | reward {record['reward/mean']:.3f} | "

@@ -1,4 +1,5 @@
-"""torchrun: two CPU ranks (gloo) train the same LoRA weights as one process with the same global batch.
+"""torchrun: two CPU ranks (gloo) train the same LoRA weights as one process with the same global batch, and the
+other ranks outwait rank 0's solo work (here: the first rollouts) past the gradient all-reduce's deadline.
 
     python -m pytest -q tests/test_distributed.py
 """
@@ -6,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import torch
 from conftest import ROOT, free_port
@@ -38,9 +40,33 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
     assert [r["group_ids"] for r in logs[0]] == [r["group_ids"] for r in logs[1]], "the same global batches"
     for a, b in zip(*logs):
         assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["ratio/mean"] - b["ratio/mean"]) < 1e-5
-    weights = [load_file(str(tmp_path / n / "checkpoints" / "step-000003" / "adapter_model.safetensors"))
+    weights = [load_file(str(next((tmp_path / n / "checkpoints").glob("step-000003*")) / "adapter_model.safetensors"))
                for n in ("one", "two")]
     assert weights[0].keys() == weights[1].keys()
     for key in weights[0]:
         torch.testing.assert_close(weights[0][key], weights[1][key], atol=1e-5, rtol=1e-4)
     assert any(weights[0][k].abs().sum() > 0 for k in weights[0] if "lora_B" in k), "the adapter trained"
+
+
+def test_rank_0_may_work_alone_longer_than_the_collective_timeout(tmp_path):
+    """Rank 0 waits for the first rollouts (it could as well be evaluating or checkpointing) for 8 s, four times
+    --collective_timeout_s: the other rank waits for its batch outside the timed group, and the run finishes."""
+    base, run = str(tmp_path / "base"), tmp_path / "late"
+    publish_v0(base, RunSettings(max_staleness=100))
+    subprocess.run([sys.executable, "generate.py", "--run_dir", base, "--generator_id", "g0", "--max_batches", "4",
+                    "--max_ready", "1000", "--max_staleness", "100"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    shutil.copytree(base, run)
+    shutil.move(run / "rollouts", tmp_path / "held_back")
+    two = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                            str(free_port()), "train.py", "--run_dir", str(run), *FLAGS, "--max_steps", "2",
+                            "--collective_timeout_s", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline, metrics = time.time() + 120, run / "metrics"
+    while not (metrics.exists() and any(f.startswith("train-") for f in os.listdir(metrics))):  # the step-0 eval
+        assert two.poll() is None and time.time() < deadline, "the trainer did not reach its step-0 evaluation"
+        time.sleep(0.1)
+    time.sleep(8)  # rank 0 now waits alone for rollouts; rank 1 waits for its batch
+    shutil.move(tmp_path / "held_back", run / "rollouts")
+    out, _ = two.communicate(timeout=300)
+    assert two.returncode == 0, out[-3000:]
+    assert [r["step"] for r in train_records(str(run))] == [1, 2]

@@ -55,6 +55,11 @@ def test_first_step_is_on_policy(demo_run):
     assert first["step"] == 1 and abs(first["ratio/mean"] - 1) < 1e-3 and first["sample/staleness_max"] == 0
 
 
+def test_a_healthy_run_reports_no_policy_mismatch(demo_run):
+    """Groups sampled at the trainer's own version match its log-probs to float32 rounding, far inside the check."""
+    assert sum(r["sample/policy_mismatch"] for r in train_records(demo_run)) == 0
+
+
 def test_generator_followed_the_adapter_versions(demo_run):
     gen = gen_records(demo_run, "g0")
     assert len({r["policy_version"] for r in gen}) >= 3
