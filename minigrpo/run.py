@@ -69,6 +69,7 @@ def parse_config(*types, argv=None):
 
 
 FAULTS = [f.split(":") for f in os.environ.get("MINIGRPO_FAULT", "").split(",") if f]  # for the crash tests; read once
+WRITING = threading.RLock()  # held by the lease's writes: a pause point never stops the heartbeat inside one
 if clock := [float(f[1]) for f in FAULTS if f[0] == "clock"]:  # a wall clock off by that many seconds
     time.time = lambda _time=time.time: _time() + clock[0]
 
@@ -82,7 +83,8 @@ def fault(point: str, step: int):
             if not f[2:]:
                 os._exit(137)
             FAULTS.remove(f)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            with WRITING:
+                os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def read_json(storage, key: str):
@@ -173,7 +175,7 @@ class Lease:
     epoch, bumps `beat` every timeout_s / 6, and writes owner.json only if it is still its own last write."""
 
     def __init__(self, storage, timeout_s: float = 60.0, **about):  # about: what generators may read (groups_per_step)
-        self.storage, self.timeout_s, self.lock, self.stop = storage, timeout_s, threading.RLock(), threading.Event()
+        self.storage, self.timeout_s, self.lock, self.stop = storage, timeout_s, WRITING, threading.Event()
         self.info = {"owner": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(), "beat": 0,
                      "timeout_s": timeout_s, **about}
 
@@ -193,7 +195,8 @@ class Lease:
         self.info |= {"epoch": max([theirs["epoch"], *epochs]) + 1,  # a new run has committed no checkpoint
                       "checkpoints": theirs["checkpoints"] if raw is not None or epochs else []}
         self.write()
-        threading.Thread(target=self._beat, daemon=True).start()
+        self.beat = threading.Thread(target=self._beat, daemon=True)
+        self.beat.start()
         return theirs if raw is not None else None
 
     def write(self, **progress):
@@ -201,9 +204,11 @@ class Lease:
         with self.lock:
             self.info |= progress | {"beat": self.info["beat"] + 1}
             try:
-                self.token = self.storage.swap("owner.json", json.dumps(self.info), self.token)
-            except FileExistsError:
-                self.lost()
+                self.token = self.storage.swap("owner.json", data := json.dumps(self.info), self.token)
+            except FileExistsError:  # another trainer's write, or a retried request of our own that had landed
+                raw, self.token = self.storage.versioned("owner.json")
+                if raw != data.encode():
+                    self.lost()
 
     def fenced(self, write, *args, **kwargs):
         """write(*args) only while this trainer holds the lease: a check that holds until the write lands on a local
@@ -229,8 +234,12 @@ class Lease:
             with contextlib.suppress(OSError):  # a full disk or a refused bucket: the main thread meets it too
                 self.write()
 
-    def release(self):
+    def stop_beating(self):
         self.stop.set()
+        self.beat.join()
+
+    def release(self):
+        self.stop_beating()
         self.fenced(self.storage.delete, "owner.json")
 
 

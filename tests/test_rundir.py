@@ -358,13 +358,13 @@ def test_a_dead_lease_is_taken_over_after_the_timeout_on_this_processs_clock(sto
     assert 0.5 <= time.monotonic() - t0 < 5
     assert lease.info["epoch"] == (5 if '"epoch": 4' in raw else 3)
     assert json.loads(storage.get("owner.json"))["owner"] == lease.info["owner"]
-    lease.stop.set()
+    lease.stop_beating()
 
 
 def test_a_deposed_trainer_can_neither_write_behind_its_fence_nor_rewrite_the_lease(storage):
     old = no_exit(Lease(storage, timeout_s=0.3))
     old.acquire()
-    old.stop.set()  # paused: it beats no more
+    old.stop_beating()  # paused: it beats no more
     new = no_exit(Lease(storage, timeout_s=0.3))
     new.acquire()
     assert new.info["epoch"] == old.info["epoch"] + 1
@@ -373,7 +373,7 @@ def test_a_deposed_trainer_can_neither_write_behind_its_fence_nor_rewrite_the_le
             deposed()
     assert not storage.exists("DONE") and json.loads(storage.get("owner.json"))["owner"] == new.info["owner"]
     new.fenced(storage.put, "DONE", "x")  # the owner writes
-    new.stop.set()
+    new.stop_beating()
 
 
 def test_conditional_writes_refuse_a_writer_that_came_second(storage):
