@@ -22,8 +22,8 @@ CHARS = "0123456789+="
 ARCH = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=64, tie_word_embeddings=False)
 SEED, LR, MAX_STEPS, HEAD_GAIN = 3, 2e-3, 5000, 4.0
-PROBE = (0.20, 0.45)  # pass@1 at T=1 on 128 problems: learning is a sharp phase transition, so stop on a band
-BAND = (0.26, 0.30)  # then train.py's step-0 eval (400 held-out problems), its mean over seeds 0-4, must land here
+PROBE = (0.15, 0.45)  # pass@1 at T=1 on 128 problems: learning is a sharp phase transition, so stop on a band
+BAND = (0.26, 0.29)  # then train.py's step-0 eval (400 held-out problems), its mean over seeds 0-9, must land here
 
 
 def build_tokenizer() -> Qwen2Tokenizer:
@@ -69,20 +69,20 @@ def main():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if step % 10 == 0:
+        if step % 5 == 0:
             acc = accuracy(model, tokenizer, task, probe, seed=step)
             print(f"step {step} | loss {loss.item():.3f} | probe acc {acc:.2f}")
             if acc > PROBE[1]:
                 raise SystemExit(f"jumped past the band at step {step}; try a smaller LR or another SEED")
-            if acc >= PROBE[0]:  # one seed's eval has a sampling sd of about 0.02: take five
-                final = sum(accuracy(model, tokenizer, task, held_out, seed=s) for s in range(5)) / 5
+            if acc >= PROBE[0]:  # one seed's eval has a sampling sd of about 0.02: take ten
+                final = sum(accuracy(model, tokenizer, task, held_out, seed=s) for s in range(10)) / 10
                 if BAND[0] <= final <= BAND[1]:
                     break
     else:
         raise SystemExit(f"did not reach the band {BAND} in {MAX_STEPS} steps")
     model.save_pretrained(DEMO_MODEL)  # its generation_config takes EOS and padding from the model config
     tokenizer.save_pretrained(DEMO_MODEL, save_jinja_files=False)  # the chat template inside tokenizer_config.json
-    print(f"saved to {DEMO_MODEL}: train.py's step-0 eval/accuracy {final:.3f} (mean of seeds 0-4; step {step})")
+    print(f"saved to {DEMO_MODEL}: train.py's step-0 eval/accuracy {final:.3f} (mean of seeds 0-9; step {step})")
 
 
 if __name__ == "__main__":
