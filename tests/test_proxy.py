@@ -78,8 +78,9 @@ def test_a_load_that_fails_on_one_replica_is_on_none(fleet):
 
 
 def test_a_directory_that_appears_late_is_retried_until_it_loads(fleet):
-    path = fleet["dir"] / "late"
-    threading.Timer(1.0, save_random_adapter, args=(path,)).start()
+    path, staged = fleet["dir"] / "late", fleet["dir"] / "late.staged"
+    save_random_adapter(staged)  # then renamed whole: a replica never sees the config without the weights
+    threading.Timer(1.0, staged.rename, args=(path,)).start()
     status, _, _ = load(fleet, "late", path)
     assert status == 200 and all("late" in names for names in listed(fleet))
 
