@@ -35,7 +35,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from common import report
 from minigrpo.lora import inject_lora
-from minigrpo.model import sequence_logprobs
+from tests.conftest import sequence_logprobs
 
 B, LAYERS, REPEATS = 2, 2, 3
 QWEN_15B = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,

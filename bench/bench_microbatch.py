@@ -15,7 +15,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from common import report
 from minigrpo.grpo import Batch, grpo_loss
 from minigrpo.lora import inject_lora
-from minigrpo.model import PACKED_SDPA, sequence_logprobs
+from minigrpo.model import PACKED_SDPA
+from tests.conftest import sequence_logprobs
 from minigrpo.run import RunSettings
 from minigrpo.packing import Sample, micro_batches
 from train import TrainConfig, train_step

@@ -157,20 +157,11 @@ def output_head(model) -> torch.nn.Linear:
     return head
 
 
-def sequence_logprobs(model, input_ids, attention_mask, temperature: float):
-    """log pi(x_t | x_<t), t >= 1, in float32 from logits / temperature, with gradient, and the entropy without:
-    (B, L-1) each, position t-1 predicting token t. input_ids (B, L) are right-padded with attention_mask."""
-    head = output_head(model)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              use_cache=False).last_hidden_state[:, :-1]  # (B, L-1, H)
-    logp, entropy = HeadLogprobs.apply(hidden.flatten(0, 1), head.weight, input_ids[:, 1:].flatten(), temperature)
-    return logp.view(hidden.shape[:2]), entropy.view(hidden.shape[:2])
-
-
 def packed_logprobs(model, ids, pos, where, targets, temperature: float):
-    """The same for completions packed in one row by packing.collate, ids and position ids (1, N): where (B, T)
-    is the row index whose hidden state predicts each completion token, targets (B, T) that token, -1 past the end.
-    Only those rows meet the output head, never the prompts'. (B, T) each, 0 past the end."""
+    """log pi(y_t | y_<t) in float32 from logits / temperature, with gradient, and the entropy without, for completions
+    packed in one row by packing.collate, ids and position ids (1, N): where (B, T) is the row index whose hidden
+    state predicts each completion token, targets (B, T) that token, -1 past the end. Only those rows meet the output
+    head, never the prompts'. (B, T) each, 0 past the end."""
     if model.config._attn_implementation != PACKED_SDPA:
         raise ValueError(f"packed rows need attn_implementation={PACKED_SDPA!r} (load_model sets it), the model has "
                          f"{model.config._attn_implementation!r}")

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from minigrpo.model import PACKED_SDPA
+from minigrpo.model import PACKED_SDPA, HeadLogprobs, output_head
 
 torch.set_num_threads(1)
 
@@ -18,6 +18,17 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, vocab: int = 32):
                         eos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
                         attn_implementation=PACKED_SDPA)  # as load_model sets it
     return model_cls(config).eval()
+
+
+def sequence_logprobs(model, input_ids, attention_mask, temperature: float):
+    """Unpacked model.packed_logprobs, for tests and benches: log pi(x_t | x_<t), t >= 1, in float32 from
+    logits / temperature, with gradient, and the entropy without: (B, L-1) each, position t-1 predicting token t.
+    input_ids (B, L) are right-padded with attention_mask."""
+    head = output_head(model)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                              use_cache=False).last_hidden_state[:, :-1]  # (B, L-1, H)
+    logp, entropy = HeadLogprobs.apply(hidden.flatten(0, 1), head.weight, input_ids[:, 1:].flatten(), temperature)
+    return logp.view(hidden.shape[:2]), entropy.view(hidden.shape[:2])
 
 
 @pytest.fixture(params=list(ARCHS))

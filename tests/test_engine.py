@@ -6,11 +6,10 @@ import math
 
 import torch
 import torch.nn as nn
-from conftest import tiny_model
+from conftest import sequence_logprobs, tiny_model
 
 from minigrpo.engine import SamplingParams as SP, TorchEngine
 from minigrpo.lora import inject_lora, lora_layers
-from minigrpo.model import sequence_logprobs
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 

@@ -3,11 +3,10 @@
     python -m pytest -q tests/test_logprobs.py
 """
 import torch
-from conftest import tiny_model
+from conftest import sequence_logprobs, tiny_model
 
 import minigrpo.model
 from minigrpo.lora import inject_lora, lora_layers
-from minigrpo.model import sequence_logprobs
 
 
 def full_logits_logprobs(model, ids, attn, temperature):

@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import sequence_logprobs, tiny_model
 
 from minigrpo.lora import inject_lora, lora_layers
-from minigrpo.model import enable_checkpointing, packed_logprobs, sequence_logprobs
+from minigrpo.model import enable_checkpointing, packed_logprobs
 from minigrpo.run import RunSettings
 from minigrpo.packing import Sample, collate, micro_batches
 from train import TrainConfig, train_step

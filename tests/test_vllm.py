@@ -288,7 +288,8 @@ def test_replicas_read_the_run_directory_under_their_own_path(replicas, proxy, t
 
 def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(replicas, proxy, tmp_path):
     from minigrpo.lora import inject_lora, load_adapter
-    from minigrpo.model import load_model, sequence_logprobs
+    from conftest import sequence_logprobs
+    from minigrpo.model import load_model
     from minigrpo.rollouts import read_group
     model, _ = load_model(MODEL, torch.device("cpu"))
     inject_lora(model, 8, 16.0)
