@@ -149,16 +149,13 @@ def health(log_v: torch.Tensor) -> dict:
 
 def combine_metrics(parts: list[dict]) -> dict:
     """Merge per-micro-batch metrics: */min and */max by min and max, the rest token-weighted means."""
-    total = sum(p["tokens"] for p in parts)
-    out = {}
+    out = {"tokens": sum(p["tokens"] for p in parts)}
     for key in parts[0]:
         values = [p[key] for p in parts]
-        if key == "tokens":
-            out[key] = total
-        elif key.endswith("/min") or key.endswith("/max"):
+        if key.endswith(("/min", "/max")):
             out[key] = (min if key.endswith("/min") else max)(values)
-        else:
-            out[key] = sum(v * p["tokens"] for v, p in zip(values, parts)) / max(total, 1)
+        elif key != "tokens":
+            out[key] = sum(v * p["tokens"] for v, p in zip(values, parts)) / max(out["tokens"], 1)
     if "health/v_mean" in out:  # ESS / N = mean(v)^2 / mean(v^2), from the token-weighted means of all parts
         out["health/ess_frac"] = out["health/v_mean"] ** 2 / max(out.pop("health/v_sq_mean"), 1e-30)
     return out

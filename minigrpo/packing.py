@@ -1,9 +1,5 @@
-"""Packed micro-batches: the trainer's samples laid out in rows with no padding, each prompt once.
-
-A row holds each prompt once, at positions 0..P-1, then each of its completions at positions P, P+1, ...
-model.packed_attention reads a run whose positions restart at P as a branch that attends to the first P tokens
-of its sequence and then to itself, so the G completions of a prompt share one pass over it, exactly: the
-prompt's states do not depend on what follows them, and the gradient through them is the sum either way.
+"""Packed micro-batches: the trainer's samples laid out in rows with no padding. A row holds each prompt once, at
+positions 0..P-1, then each of its completions at positions P, P+1, ... (model.packed_attention says why that is exact).
 """
 from dataclasses import dataclass
 

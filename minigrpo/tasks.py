@@ -39,15 +39,6 @@ class ReverseAddition:
         return float(completion.strip() == answer)
 
 
-def read_rows(path: str) -> list[dict]:
-    """The rows of a .jsonl or .parquet file: a local path or a URL (hf://datasets/OWNER/NAME/FILE, s3://, gs://)."""
-    with fsspec.open(path, "rb") as f:
-        if path.endswith(".parquet"):
-            import pyarrow.parquet as pq  # only parquet needs it: pip install pyarrow
-            return pq.read_table(f).to_pylist()
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def last_boxed(text: str) -> str | None:
     """The contents of the last \\boxed{...} (or \\fbox{...}), braces matched; None if there is none."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
@@ -76,7 +67,12 @@ class MathTask:
         if not data:
             raise ValueError("--task math needs --task_data: a .jsonl or .parquet file, or hf://datasets/OWNER/NAME/FILE")
         problem_key, answer_key = fields.split(",")
-        rows = read_rows(data)
+        with fsspec.open(data, "rb") as f:  # a local path or a URL: hf://datasets/OWNER/NAME/FILE, s3://, gs://
+            if data.endswith(".parquet"):
+                import pyarrow.parquet as pq  # only parquet needs it: pip install pyarrow
+                rows = pq.read_table(f).to_pylist()
+            else:
+                rows = [json.loads(line) for line in f if line.strip()]
         if bad := [i for i, row in enumerate(rows) if problem_key not in row or answer_key not in row]:
             raise ValueError(f"{data} row {bad[0]} lacks the field {problem_key!r} or {answer_key!r} "
                              f"(it has {sorted(rows[bad[0]])}); set --task_fields PROBLEM,ANSWER")
