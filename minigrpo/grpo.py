@@ -47,9 +47,7 @@ def zero_std_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
     """DAPO's soft overlong punishment: 0 up to max_len - cache_len, then a linear ramp to -1 at max_len."""
-    start = max_len - cache_len
-    ramp = (start - lengths.float()) / cache_len
-    return torch.where(lengths <= start, torch.zeros_like(ramp), torch.where(lengths <= max_len, ramp, -1.0))
+    return ((max_len - cache_len - lengths.float()) / cache_len).clamp(-1.0, 0.0)
 
 
 def is_weights(old_logp, behav_logp, mask, cap: float, mode: str = "token_truncate"):
