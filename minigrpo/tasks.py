@@ -5,18 +5,15 @@ carry local, so a 2-layer model can learn it. math: problems from --task_data (R
 is 1 when the last \\boxed{...} (after the one </think> of a reasoning model) equals the reference as math-verify
 judges it: spacing, \\left/\\right, \\dfrac, \\text{}, degrees, 1,000, 1/2 = 0.5 = \\frac{1}{2}, (x+1)^2 = x^2+2x+1.
 """
+import collections
 import json
 import random
-from dataclasses import dataclass
 
 import fsspec
 import math_verify
 
 
-@dataclass
-class Problem:
-    prompt: str
-    answer: str
+Problem = collections.namedtuple("Problem", "prompt answer")
 
 
 class ReverseAddition:
