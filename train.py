@@ -19,7 +19,6 @@ Where it departs from the GRPO paper, on purpose:
   4. Stale groups are dropped whole and counted, never reweighted.
 """
 import os
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -60,17 +59,12 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
     micro_batch_tokens: int = field(default=4096, metadata={"help": "packed tokens per forward/backward micro-batch"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward: less memory"})
     seed: int = field(default=0, metadata={"help": "seed for the LoRA init and the evaluation samples"})
-    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps (under torchrun a GPU "
-                        "rank always takes cuda:LOCAL_RANK)"})
-    collective_timeout_s: float = field(default=600.0, metadata={"help": "torchrun: deadline of the gradient all-reduce "
-                                        "(NCCL's default); rank 0's solo work between steps is not bound by it"})
-    eval_batch_size: int = field(default=256, metadata={"help": "held-out prompts sampled together: bounds the "
-                                 "evaluation's KV cache (the accuracy does not depend on it: each problem has its seed)"})
-    policy_check_tol: float = field(default=0.1, metadata={"help": "a group sampled at the trainer's own version "
-                                    "whose mean |log pi_theta - log mu| per token exceeds this was not sampled with "
-                                    "the weights it names: counted and reported loudly (0: off)"})
-    dtype: str = field(default="float32", metadata={"help": "base weights: float32 | bfloat16 (LoRA and loss stay "
-                       "float32; float16 is refused: without loss scaling its small gradients flush to zero)"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | mps (torchrun: cuda:LOCAL_RANK)"})
+    collective_timeout_s: float = field(default=600.0, metadata={"help": "torchrun: the gradient all-reduce's timeout"})
+    eval_batch_size: int = field(default=256, metadata={"help": "held-out prompts sampled at once (bounds memory)"})
+    policy_check_tol: float = field(default=0.1, metadata={"help": "mean |log pi_theta - log mu| per token past which "
+                                    "a group at the trainer's version was not sampled with its weights (0: off)"})
+    dtype: str = field(default="float32", metadata={"help": "base weights: float32 | bfloat16 (LoRA, loss: float32)"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the generator)"})
     wait_timeout_s: float = field(default=600.0, metadata={"help": "fail if no rollout arrives for this long"})
     lease_timeout_s: float = field(default=60.0, metadata={"help": "one trainer owns a run (RUN/owner.json); another "
@@ -137,8 +131,7 @@ def build_samples(groups, run, cfg):
 def policy_mismatches(groups, samples, version, world, tol) -> list:
     """The groups that name `version`, the weights train_step just scored them with, yet whose mean
     |log pi_theta - log mu| per token exceeds tol: their sampler did not apply the adapter it names (a replica
-    serving the base model or a stale LoRA under that name). Otherwise it would pass for staleness. Rank 0 scored
-    every world-th sample, which is enough to tell."""
+    serving the base model or a stale LoRA under that name), which would otherwise pass for staleness."""
     G, gap, tokens = len(samples) // len(groups), {}, {}
     for j in range(0, len(samples), world):
         gap[j // G] = gap.get(j // G, 0.0) + samples[j].gap
@@ -180,11 +173,9 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
 
 # ---- data parallel (torchrun): rank 0 leads, reading groups, publishing, checkpointing and logging ----
 def distributed(device: str, timeout_s: float):
-    """(rank, world size, this rank's device, the group its batch arrives by). Under torchrun a GPU rank binds to
-    cuda:LOCAL_RANK before it joins (NCCL stages collectives on the current device), and a CPU rank uses gloo.
-    Rank 0 works alone between steps: it waits for rollouts, evaluates, checkpoints. The others wait for its batch in
-    share(), over a gloo group of their own with no deadline, so the main group's timeout (NCCL's watchdog) only ever
-    times the gradient all-reduce. If rank 0 dies, that group's connections close and the others fail too."""
+    """(rank, world size, this rank's device, the group its batch arrives by). A GPU rank binds to cuda:LOCAL_RANK
+    before it joins (NCCL stages collectives on the current device). While rank 0 works alone between steps, the
+    others wait for its batch in a gloo group with no deadline: NCCL's watchdog times only the all-reduce."""
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device)
     if world == 1:
@@ -198,12 +189,6 @@ def distributed(device: str, timeout_s: float):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
     return dist.get_rank(), world, device, dist.new_group(backend="gloo", timeout=timedelta(days=365))
-
-
-def same_start(params, world: int):
-    """Rank 0's weights on every rank (a resume loaded them there)."""
-    for p in params if world > 1 else []:
-        dist.broadcast(p.data, src=0)
 
 
 def share(obj, group):
@@ -305,8 +290,6 @@ def main():
     meta = create_run(storage, run) if rank == 0 else None
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    G = run.group_size
     model, tokenizer = load_model(run.model, device, cfg.dtype)
     inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
     if cfg.gradient_checkpointing:
@@ -321,7 +304,8 @@ def main():
     state = resume(storage, model, optimizer, cfg, share(lease and lease.info["checkpoints"], waiting))
     counters = ("dropped_stale_total", "dropped_zero_std_total", "bad_total", "attribution_mismatch")
     step, stats = (state["step"], state["stats"]) if state else (0, dict.fromkeys(counters, 0))
-    same_start(params, world)
+    for p in params if world > 1 else []:  # rank 0's weights on every rank (a resume loaded them there)
+        dist.broadcast(p.data, src=0)
     if rank > 0:  # the other ranks only compute: rank 0 reads groups, publishes, checkpoints and logs
         while step < cfg.max_steps:
             step += 1
@@ -335,7 +319,7 @@ def main():
     version = store.next_version(at_least=state["version"] + 1 if state else 0)
     version = publish(store, lease, model, version, peft_config, run, step)[0]
     exact = True  # the weights are exactly `version`'s, so groups sampled with it must match the trainer's log-probs
-    adapter_mb = sum(p.numel() for p in params) * 4 / 2**20
+    G, adapter_mb = run.group_size, sum(p.numel() for p in params) * 4 / 2**20
     print(f"trainer on {device}: {cfg.groups_per_step} groups x G={G} = {cfg.groups_per_step * G} completions per "
           f"step, {cfg.max_steps} steps, max_staleness {run.max_staleness}, adapter {adapter_mb:.2f} MB "
           f"(published {store.url(version)}), eval on {len(eval_problems)} held-out problems\n"

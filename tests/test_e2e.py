@@ -75,11 +75,13 @@ def test_run_directory_is_left_consistent(demo_run):
     assert storage.exists("DONE") and not storage.exists("owner.json")
     latest = storage.get("adapters/LATEST").decode().strip()
     assert storage.exists(f"adapters/{latest}/adapter_model.safetensors")
-    assert len([d for d in storage.list("adapters") if d.startswith("policy-")]) <= 4 + 2
+    names = [d for d in storage.list("adapters") if d.startswith("policy-")]
+    assert len(names) == STEPS + 1, "every version's name stays claimed (its config), so none is ever written twice"
+    assert sum(storage.exists(f"adapters/{d}/adapter_model.safetensors") for d in names) <= 4 + 2, "old weights go"
     trained = {g for r in train_records(demo_run) for g in r["group_ids"]}
     left = {n.removesuffix(".safetensors") for n in storage.list("rollouts")}
     assert not left & trained, "a consumed group was not collected at the end"
-    assert storage.list("checkpoints") == [f"step-{STEPS - 25:06d}", f"step-{STEPS:06d}"]
+    assert storage.list("checkpoints") == [f"step-{STEPS - 25:06d}-e000001", f"step-{STEPS:06d}-e000001"]
 
 
 def test_starting_a_finished_run_again_says_so(demo_run):
@@ -139,7 +141,8 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(tmp
     from conftest import call, free_port, start
 
     from minigrpo.lora import inject_lora, load_adapter
-    from minigrpo.model import load_model, sequence_logprobs
+    from conftest import sequence_logprobs
+    from minigrpo.model import load_model
     from minigrpo.rollouts import read_group
     ports = [free_port() for _ in range(3)]
     replicas = [f"http://127.0.0.1:{p}" for p in ports[:2]]
