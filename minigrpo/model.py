@@ -158,10 +158,9 @@ def output_head(model) -> torch.nn.Linear:
 
 
 def packed_logprobs(model, ids, pos, where, targets, temperature: float):
-    """log pi(y_t | y_<t) in float32 from logits / temperature, with gradient, and the entropy without, for completions
-    packed in one row by packing.collate, ids and position ids (1, N): where (B, T) is the row index whose hidden
-    state predicts each completion token, targets (B, T) that token, -1 past the end. Only those rows meet the output
-    head, never the prompts'. (B, T) each, 0 past the end."""
+    """log pi(y_t | y_<t) from logits / temperature in float32, with gradient, and the entropy without, (B, T) each,
+    0 past the end, of completions packed in one row by packing.collate (ids, position ids (1, N)): where (B, T) is the
+    row predicting each token, targets (B, T) that token, -1 past the end. Only those rows meet the head, no prompt."""
     if model.config._attn_implementation != PACKED_SDPA:
         raise ValueError(f"packed rows need attn_implementation={PACKED_SDPA!r} (load_model sets it), the model has "
                          f"{model.config._attn_implementation!r}")
