@@ -46,7 +46,8 @@ class Sampler:
     (serve_sampling.py) adds vLLM's other sampling parameters through these methods."""
 
     def __init__(self, rows, eos: list[int], device):
-        self.temperature = per_row(rows, "temperature", device)[:, None].clamp(min=1e-6)  # (B, 1) greedy as 1e-6
+        t = per_row(rows, "temperature", device)[:, None]  # (B, 1)
+        self.temperature = torch.where(t > 0, t, 1.0)  # greedy rows report log_softmax(logits), as vLLM does
         self.top_p = per_row(rows, "top_p", device)[:, None] if any(sp.top_p < 1 for _, sp, _ in rows) else None
         ids = [torch.tensor(self.stop_ids(sp, eos), dtype=torch.long) for _, sp, _ in rows]
         self.stops = pad_sequence(ids, True, -1).to(device)  # (B, S), -1 pads

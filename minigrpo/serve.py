@@ -169,6 +169,12 @@ class Server:
             flag(body, key)
         max_tokens = number(body, "max_completion_tokens", number(body, "max_tokens", 16, 1, integer=True), 1,
                             integer=True)
+        if max_tokens > self.max_model_len:
+            key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+            raise P.BadRequest(f"{key}={max_tokens} cannot be greater than max_model_len={self.max_model_len}. "
+                               f"Please request fewer output tokens.", key)
+        if n > 1 and body.get("temperature", 1) == 0:
+            raise P.BadRequest(f"n must be 1 when using greedy sampling, got {n}.")
         return ServerParams(
             n=n, seed=seed, logprobs=logprobs, stop=(stop,) if isinstance(stop, str) else tuple(stop),
             stop_token_ids=tuple(stop_ids), max_tokens=min(max_tokens, self.max_model_len - max(map(len, prompts))),
@@ -301,7 +307,7 @@ class Server:
     async def pause(self, request):
         mode = request.query.get("mode", "abort")
         if mode not in ("abort", "wait", "keep"):
-            return web.json_response({"error": f"Invalid mode: {mode!r}; expected abort, wait or keep"}, status=400)
+            raise P.BadRequest("Input should be 'abort', 'wait' or 'keep'", "query.mode", kind="Bad Request")
         self.scheduler.pause(mode)
         return web.json_response({"status": "paused"})
 

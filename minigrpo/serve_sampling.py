@@ -40,7 +40,7 @@ class VllmSampler(Sampler):
     def __init__(self, rows, ids, mask, eos: list[int], decode, V: int, device):  # ids, mask (B, L): the prompts
         super().__init__(rows, eos, device)
         B, column = len(rows), lambda field: per_row(rows, field, device)[:, None]  # (B, 1)
-        self.rows, self.bias, self.min_tokens, self.penalties, self.min_p = rows, None, None, None, None
+        self.rows, self.eos, self.bias, self.min_tokens, self.penalties, self.min_p = rows, eos, None, None, None, None
         if any(sp.logit_bias for _, sp, _ in rows):
             bias = torch.zeros(B, V)  # filled on the host, copied once
             for r, (_, sp, _) in enumerate(rows):
@@ -106,8 +106,9 @@ class VllmSampler(Sampler):
         if self.k and isinstance(self.tops[0], tuple):  # once a batch: (B, T, k) indices and values on the host
             self.tops = [torch.stack([top[i] for top in self.tops], 1).tolist() for i in (1, 0)]
         top = [dict(zip(*alts)) for alts in zip(self.tops[0][r], self.tops[1][r])][:len(token_ids)] if self.k else None
-        last, own = token_ids[-1], self.rows[r][1].stop_token_ids
-        reason = self.reason.get(r, last if stopped and last in own else None)
+        last, sp = token_ids[-1], self.rows[r][1]
+        eos = last in self.eos and not sp.ignore_eos  # vLLM checks EOS before the request's stop ids
+        reason = self.reason.get(r, last if stopped and last in sp.stop_token_ids and not eos else None)
         return Choice(token_ids, logprobs, "stop" if stopped else "length", digest, top, reason, self.text.get(r))
 
 
