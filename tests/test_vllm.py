@@ -411,9 +411,8 @@ def test_minigrpo_server_answers_greedy_completions_as_vllm_does(pair):
     assert set(m) == set(v)
 
 
-@pytest.mark.xfail(strict=True, reason="minigrpo.serve reports 0.0 (and -9999.0 for the alternatives) at temperature 0; "
-                   "vLLM's processed log-probs skip the temperature on the greedy path: log_softmax of the logits")
 def test_minigrpo_server_greedy_logprobs_are_vllms(pair):
+    """vLLM's processed log-probs skip the temperature on the greedy path: log_softmax of the logits, not 0."""
     v, m = completion(pair, GREEDY | {"model": MODEL})
     lv, lm = v["choices"][0]["logprobs"], m["choices"][0]["logprobs"]
     assert close(lm["token_logprobs"], lv["token_logprobs"])
@@ -421,16 +420,12 @@ def test_minigrpo_server_greedy_logprobs_are_vllms(pair):
         assert close(list(tm.values()), list(tv.values()))
 
 
-@pytest.mark.xfail(strict=True, reason="minigrpo.serve returns n identical greedy choices; vLLM refuses n > 1 at "
-                   "temperature 0 with a 400")
 def test_minigrpo_server_refuses_several_greedy_choices_as_vllm_does(pair):
     v, m = both(pair, "POST", "/v1/completions", json=GREEDY | {"n": 2})
     assert v.status_code == 400 and v.json()["error"]["message"] == "n must be 1 when using greedy sampling, got 2."
     assert (m.status_code, m.json()["error"]) == (v.status_code, v.json()["error"])
 
 
-@pytest.mark.xfail(strict=True, reason="minigrpo.serve samples up to the context's end; vLLM 0.32 refuses max_tokens "
-                   "above max_model_len with a 400 naming max_tokens")
 def test_minigrpo_server_refuses_max_tokens_beyond_the_context_as_vllm_does(pair):
     v, m = both(pair, "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 100})
     assert (v.status_code, v.json()["error"]["param"]) == (400, "max_tokens")
@@ -439,8 +434,6 @@ def test_minigrpo_server_refuses_max_tokens_beyond_the_context_as_vllm_does(pair
     assert m.json()["error"]["message"].startswith("max_tokens=100 cannot be greater than max_model_len=64.")
 
 
-@pytest.mark.xfail(strict=True, reason="minigrpo.serve gives stop_reason 0 when EOS (0) is also in stop_token_ids; "
-                   "vLLM checks EOS first: stop_reason null")
 def test_minigrpo_server_reports_eos_before_a_stop_token_as_vllm_does(pair):
     v, m = (a["choices"][0] for a in completion(pair, GREEDY | {"stop_token_ids": [0]}))
     assert (v["finish_reason"], v["stop_reason"], v["token_ids"][-1]) == ("stop", None, 0)
@@ -548,8 +541,6 @@ def test_minigrpo_server_answers_an_unknown_model_as_vllm_does(pair):
     assert (m.status_code, m.json()) == (v.status_code, v.json()) and v.status_code == 404
 
 
-@pytest.mark.xfail(strict=True, reason="minigrpo.serve answers a bad /pause mode with {\"error\": \"Invalid mode...\"}; "
-                   "vLLM 0.32 validates it as a query parameter: its usual error body, param query.mode")
 def test_minigrpo_server_refuses_a_bad_pause_mode_as_vllm_does(pair):
     v, m = both(pair, "POST", "/pause", params={"mode": "bogus"})
     assert (v.status_code, v.json()["error"]["param"], v.json()["error"]["type"]) == (400, "query.mode", "Bad Request")
