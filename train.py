@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from functools import partial
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from minigrpo.tasks import make_task, prompt_ids, score
 
 
 @dataclass
-class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high, beta, tis_cap, is_mode) come first
+class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high, beta, tis_cap) come first
     run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory: a folder or a URL "
                                                                 "(s3://bucket/prefix, gs://..., hf://buckets/...)"})
     max_steps: int = field(default=250, metadata={"help": "optimizer steps in the whole run"})
@@ -49,8 +50,8 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
     lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate on the LoRA weights"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping by global norm"})
-    old_logp: str = field(default="behavior", metadata={"help": "pi_old: behavior (the generator's log-probs) | "
-                                                                "recompute (the current weights)"})
+    old_logp: Literal["behavior", "recompute"] = field(default="behavior", metadata={
+        "help": "pi_old: the generator's log-probs (behavior) or the current weights (recompute)"})
     overlong_cache: int = field(default=0, metadata={"help": "DAPO soft overlong penalty over the last N tokens (0: off)"})
     sync_every: int = field(default=1, metadata={"help": "publish a new adapter version every N steps"})
     save_every: int = field(default=25, metadata={"help": "checkpoint every N steps (resume point)"})
@@ -64,7 +65,8 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
     eval_batch_size: int = field(default=256, metadata={"help": "held-out prompts sampled at once (bounds memory)"})
     policy_check_tol: float = field(default=0.1, metadata={"help": "mean |log pi_theta - log mu| per token past which "
                                     "a group at the trainer's version was not sampled with its weights (0: off)"})
-    dtype: str = field(default="float32", metadata={"help": "base weights: float32 | bfloat16 (LoRA, loss: float32)"})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "base weights (LoRA, loss: "
+                                                  "float32); no float16: without loss scaling its gradients underflow"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the generator)"})
     wait_timeout_s: float = field(default=600.0, metadata={"help": "fail if no rollout arrives for this long"})
     lease_timeout_s: float = field(default=60.0, metadata={"help": "one trainer owns a run (RUN/owner.json); another "
@@ -74,21 +76,11 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
 
     def __post_init__(self):
         super().__post_init__()
-        if self.old_logp not in ("behavior", "recompute"):
-            raise ValueError(f"--old_logp must be behavior or recompute, got {self.old_logp!r}")
-        if self.dtype == "float16":
-            raise ValueError("--dtype float16 is refused for training: minigrpo has no loss scaling, and Dr. GRPO's "
-                             "per-token gradients (~1e-6) fall below float16's range. Use --dtype bfloat16.")
         if self.tis_cap is None and self.old_logp == "recompute":
             self.tis_cap = 2.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def report_progress(lease, buffer, **more):
-    """Tell the generators, through the lease, what this trainer saw waiting at its last listing of rollouts/."""
-    lease.write(**buffer.progress(lease.timeout_s), **more)
-
-
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
     """Block until cfg.groups_per_step fresh groups are taken. Stale (and, for dapo, zero-std) groups are taken
     too, so that they are consumed once, and counted in stats. While it waits, the lease says so every second,
@@ -111,7 +103,7 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
         else:
             time.sleep(buffer.storage.poll_s)
         if len(groups) < cfg.groups_per_step and time.time() - told > 1.0:
-            report_progress(lease, buffer)
+            lease.write(**buffer.progress(lease.timeout_s))  # what waits: the generators' backpressure
             told = time.time()
     return groups, time.time() - t0
 
@@ -287,7 +279,8 @@ def main():
     if lease and (previous := lease.acquire()):
         print(f"took over the run from trainer {previous['owner'] or '? (owner.json was not a lease)'} (host "
               f"{previous['host']}, epoch {previous['epoch']}); this is epoch {lease.info['epoch']}", flush=True)
-    meta = create_run(storage, run) if rank == 0 else None
+    task = make_task(run)
+    meta = create_run(storage, run, task.grader) if rank == 0 else None
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(run.model, device, cfg.dtype)
@@ -297,8 +290,7 @@ def main():
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
-    task, buffer = make_task(run), RolloutBuffer(storage)
-    eval_problems = task.eval_problems(cfg.eval_size)
+    buffer, eval_problems = RolloutBuffer(storage), task.eval_problems(cfg.eval_size)
     peft_config = adapter_config(run.lora_r, run.lora_alpha, run.lora_targets, resolve_model(run.model))
 
     state = resume(storage, model, optimizer, cfg, share(lease and lease.info["checkpoints"], waiting))
@@ -336,7 +328,7 @@ def main():
         validate = partial(check_group, run=meta, vocab_size=model.config.vocab_size, version=version,
                            digest_of=store.digest)
         groups, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, stats)
-        report_progress(lease, buffer, step=step, version=version)  # now: the generators may fill the room
+        lease.write(**buffer.progress(lease.timeout_s), step=step, version=version)  # the generators may fill the room
         staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains
         samples, rewards, lengths = build_samples(groups, run, cfg)
         t1 = time.time()

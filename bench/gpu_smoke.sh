@@ -12,6 +12,12 @@
 # The random model never says EOS, so every completion runs to --max_new_tokens: reasoning-length sequences.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# nothing may reach the network (a machine without one can hang on a connect), and every phase has a deadline, so a
+# hang is a line in the log, not a silent timeout of the whole call
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1
+limit=${SMOKE_PHASE_TIMEOUT_S:-300}
+python() { timeout "$limit" python3 "$@"; }  # python3: a bare machine may have no `python`
+echo "gpu_smoke: $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 tiny=${1:-}
 work=${SMOKE_DIR:-$(mktemp -d)}
 if [ "$tiny" = "--tiny" ]; then
@@ -38,7 +44,7 @@ for f in ("tokenizer.json", "tokenizer_config.json"):  # the demo's character to
 print(f"built {out}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")
 EOF
 run=(--model "$work/model" --run_dir "$work/run" --max_new_tokens "$new" --group_size 8 --lora_r 16 --lora_alpha 32)
-python generate.py "${run[@]}" --device "$device" --dtype bfloat16 --prompts_per_batch 8 --max_ready 16 \
+timeout $((3 * limit)) python3 generate.py "${run[@]}" --device "$device" --dtype bfloat16 --prompts_per_batch 8 --max_ready 16 \
   > "$work/generate.log" 2>&1 &
 gen=$!
 trap 'kill $gen 2>/dev/null || true' EXIT

@@ -19,12 +19,9 @@ with v = pi_theta / mu (slime and prime-rl report the same signals):
 """
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
-
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
-IS_MODES = ("token_truncate", "token_mask", "seq_truncate", "seq_mask")
-
 
 def advantages(rewards: torch.Tensor, G: int, scale_rewards: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """rewards (N*G,) in group order -> advantages (N*G,). Zero-std groups get exactly 0, never NaN."""
@@ -50,34 +47,18 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> tor
     return ((max_len - cache_len - lengths.float()) / cache_len).clamp(-1.0, 0.0)
 
 
-def is_weights(old_logp, behav_logp, mask, cap: float, mode: str = "token_truncate"):
-    """Importance weight pi_old / mu per token (B, T), capped ("truncate") or zeroed above the cap ("mask"),
-    per token or per sequence (exp sum_t (log pi_old - log mu)). Returns (w, pi_old / mu) without gradient."""
-    log_is = (old_logp - behav_logp).detach() * mask  # (B, T)
-    if mode.startswith("seq"):
-        log_is = log_is.sum(1, keepdim=True).expand_as(log_is)  # (B, T), one value per sequence
-    is_ratio = torch.exp(log_is)
-    w = is_ratio.clamp(max=cap) if mode.endswith("truncate") else is_ratio * (is_ratio <= cap)
-    return w, is_ratio
-
-
 @dataclass
 class LossConfig:
     """The loss's settings. train.py's TrainConfig extends this class, so each is also a flag of train.py."""
-    loss_type: str = field(default="grpo", metadata={"help": "grpo | dr_grpo | dapo (see minigrpo/grpo.py)"})
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = field(default="grpo", metadata={"help": "see minigrpo/grpo.py"})
     eps_low: float = field(default=0.2, metadata={"help": "clip the ratio below at 1 - eps_low"})
     eps_high: float | None = field(default=None, metadata={"help": "clip above at 1 + eps_high (default: 0.28 for "
                                                                    "dapo, else eps_low)"})
     beta: float = field(default=0.0, metadata={"help": "weight of the k3 KL to the base model (0: no reference pass)"})
     tis_cap: float | None = field(default=None, metadata={"help": "truncated IS cap on pi_old/mu (default: none; 2 "
                                                                   "with --old_logp recompute)"})
-    is_mode: str = field(default="token_truncate", metadata={"help": " | ".join(IS_MODES)})
 
     def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.is_mode not in IS_MODES:
-            raise ValueError(f"is_mode must be one of {IS_MODES}, got {self.is_mode!r}")
         if self.eps_high is None:
             self.eps_high = 0.28 if self.loss_type == "dapo" else self.eps_low
 
@@ -104,8 +85,9 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
     A = adv[:, None].to(logp.dtype)  # (B, 1)
     surrogate = torch.min(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)  # (B, T)
     w = torch.ones_like(logp)
-    if cfg.tis_cap is not None:
-        w, is_ratio = is_weights(old_logp, behav_logp, mask, cfg.tis_cap, cfg.is_mode)
+    if cfg.tis_cap is not None:  # truncated importance sampling, per token, without gradient
+        is_ratio = torch.exp((old_logp - behav_logp) * mask)  # (B, T) pi_old / mu
+        w = is_ratio.clamp(max=cfg.tis_cap)
     per_token = -w * surrogate  # (B, T)
     if cfg.beta > 0:
         delta = ((batch.ref.detach() - logp) * mask).clamp(-40, 40)  # (B, T)
@@ -117,8 +99,6 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
     elif cfg.loss_type == "dapo":
         loss = (per_token * mask).sum() / (batch.num_tokens or mask.sum().clamp(min=1))
     else:
-        if not max_new_tokens:
-            raise ValueError("loss_type='dr_grpo' normalises by max_new_tokens; pass it")
         loss = (per_token * mask).sum() / (num_seqs * max_new_tokens)
 
     with torch.no_grad():  # health signals over valid tokens

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from minigrpo.grpo import (Batch, LossConfig, advantages, combine_metrics, grpo_loss, health, is_weights, overlong_penalty,
+from minigrpo.grpo import (Batch, LossConfig, advantages, combine_metrics, grpo_loss, health, overlong_penalty,
                           zero_std_groups)
-from minigrpo.run import RunSettings
+from minigrpo.run import RunSettings, parse_config
 
 close = lambda a, b, tol=1e-6: torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64),
                                                           torch.as_tensor(b, dtype=torch.float64), rtol=0, atol=tol)
@@ -108,16 +108,13 @@ def test_t7_dr_grpo_with_scaled_advantages():
     close(loss.item(), 0.0883883)
 
 
-def test_t8_importance_weights():
+def test_t8_importance_weights_are_truncated_per_token():
     old, behav, mask = torch.tensor([[-0.1, -1.0, -2.0]]), torch.tensor([[-0.2, -0.5, -3.0]]), torch.ones(1, 3)
-    w, rho = is_weights(old, behav, mask, 2.0, "token_truncate")
-    close(rho, [[1.1051709, 0.6065307, 2.7182818]])
-    close(w, [[1.1051709, 0.6065307, 2.0]])
-    close((rho > 2).float().mean(), 1 / 3)
-    close(is_weights(old, behav, mask, 2.0, "token_mask")[0], [[1.1051709, 0.6065307, 0.0]])
-    close(is_weights(old, behav, mask, 1.5, "seq_truncate")[1], [[1.8221188] * 3])
-    close(is_weights(old, behav, mask, 1.5, "seq_truncate")[0], [[1.5] * 3])
-    close(is_weights(old, behav, mask, 1.5, "seq_mask")[0], [[0.0] * 3])
+    logp = old.clone().requires_grad_()  # ratio 1: each token's loss is -w * A with A = 1
+    loss, m = loss_of(logp, old, behav, torch.tensor([1.0]), mask, "dapo", tis_cap=2.0)
+    close(loss.item(), -(1.1051709 + 0.6065307 + 2.0) / 3)  # w = min(pi_old / mu, 2)
+    close(m["is/mean"], (1.1051709 + 0.6065307 + 2.7182818) / 3)
+    close(m["is/frac_capped"], 1 / 3)
 
 
 @pytest.mark.parametrize("behav, loss_value", [(-1.5, -1.8221188), (-2.0, -2.2103418)])
@@ -183,9 +180,10 @@ def test_micro_batches_with_the_global_normaliser_match_the_full_batch(loss_type
     assert merged["ratio/max"] == whole["ratio/max"]
 
 
-def test_unknown_loss_type_is_named():
-    with pytest.raises(ValueError, match="loss_type"):
-        loss_of(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), "ppo")
+def test_unknown_loss_type_is_named(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(LossConfig, argv=["--loss_type", "ppo"])
+    assert "invalid choice: 'ppo'" in capsys.readouterr().err
 
 
 def test_health_of_equal_weights_is_perfect():
