@@ -33,7 +33,7 @@ from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpo
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.grpo import LossConfig, advantages, combine_metrics, grpo_loss, overlong_penalty, zero_std_groups
 from minigrpo.lora import adapter_config, inject_lora, lora_disabled, lora_state_dict
-from minigrpo.model import enable_checkpointing, load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
+from minigrpo.model import load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
 from minigrpo.packing import Sample, collate, micro_batches
 from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
 from minigrpo.run import Lease, Metrics, RunSettings, create_run, fault, parse_config
@@ -286,7 +286,7 @@ def main():
     model, tokenizer = load_model(run.model, device, cfg.dtype)
     inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
     if cfg.gradient_checkpointing:
-        enable_checkpointing(model)
+        model.activation_checkpointing_enable({"use_reentrant": False})  # no input gradients needed
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)

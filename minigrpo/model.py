@@ -72,12 +72,10 @@ def resolve_model(name: str) -> str:
     return DEMO_MODEL if name == "demo" else name
 
 
-def pick_device(device: str = "auto") -> torch.device:
-    if device != "auto":
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+def pick_device(device: str = "auto") -> torch.device:  # train.py's torchrun ranks bind cuda:LOCAL_RANK themselves
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return torch.device(device)
 
 
 def load_model(name: str, device: torch.device, dtype: str = "float32"):
@@ -90,12 +88,6 @@ def load_model(name: str, device: torch.device, dtype: str = "float32"):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
-
-
-def enable_checkpointing(model):
-    """Recompute activations in the backward pass (transformers 5.24 renamed it; the 5.20 line has the old name)."""
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable({"use_reentrant": False})  # works with frozen embeddings, no input gradients needed
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:

@@ -9,7 +9,7 @@ import torch
 from conftest import sequence_logprobs, tiny_model
 
 from minigrpo.lora import inject_lora, lora_layers
-from minigrpo.model import enable_checkpointing, packed_logprobs
+from minigrpo.model import packed_logprobs
 from minigrpo.run import RunSettings
 from minigrpo.packing import Sample, collate, micro_batches
 from train import TrainConfig, train_step
@@ -142,7 +142,7 @@ def test_gradient_checkpointing_gives_the_same_step():
             for layer in lora_layers(model).values():
                 layer.lora_B.normal_(std=0.1)
         if checkpointing:
-            enable_checkpointing(model)
+            model.activation_checkpointing_enable({"use_reentrant": False})
             assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
         m = train_step(model, opt, sequences(model), RunSettings(max_new_tokens=8),
