@@ -27,7 +27,6 @@ from minigrpo.router import PrefixRouter
 class ProxyConfig(P.ServerConfig):
     upstream: list[str] = field(default_factory=list, metadata={"help": "a replica's base URL; repeat for each replica",
                                                                 "action": "extend"})
-    api_key: str = field(default="", metadata={"help": "clients must send 'Authorization: Bearer KEY' (or env MINIGRPO_API_KEY)"})
     no_auth: bool = field(default=False, metadata={"help": "run without a client key (only on a trusted network)"})
     upstream_token: str = field(default="", metadata={"help": "bearer token sent to the replicas (default: env HF_TOKEN)"})
     imbalance: int = field(default=32, metadata={"help": "affinity only while a replica is at most this many requests "
@@ -35,11 +34,17 @@ class ProxyConfig(P.ServerConfig):
     load_timeout_s: float = field(default=300.0, metadata={"help": "keep retrying 'No adapter found' this long"})
     retry_s: float = field(default=2.0, metadata={"help": "interval between those retries"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "a replica that takes longer gets a 504"})
-    max_body_mb: int = field(default=16, metadata={"help": "largest request body accepted"})
 
 
+# never passed on in either direction: hop-by-hop headers, credentials, and what aiohttp recomputes
+HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+               "transfer-encoding", "upgrade", "host", "authorization", "content-length", "content-encoding"}
 # a replica's reply; unreachable: it could not be connected to at all
 Answer = collections.namedtuple("Answer", "status body headers unreachable", defaults=(False,))
+
+
+def forwardable(headers) -> dict:
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
 
 
 def reply(a: Answer, headers: dict | None = None) -> web.Response:
@@ -57,14 +62,14 @@ class Proxy:
 
     async def send(self, i: int, request: web.Request, path: str | None = None, method: str | None = None,
                    body: bytes | None = None) -> Answer:
-        """The client's request to replica i (or, with `path`, one of the proxy's own), less P.HOP_HEADERS."""
+        """The client's request to replica i (or, with `path`, one of the proxy's own), less HOP_HEADERS."""
         url = self.upstreams[i] + (path or request.path)
         body = body if path else await request.read()  # the proxy's own body, or the client's
         self.inflight[i] += 1
         try:
             async with self.session.request(method or request.method, url, params=request.query, data=body,
-                                            headers=P.forwardable(request.headers) | self.auth) as r:
-                return Answer(r.status, await r.read(), P.forwardable(r.headers))
+                                            headers=forwardable(request.headers) | self.auth) as r:
+                return Answer(r.status, await r.read(), forwardable(r.headers))
         except asyncio.TimeoutError:
             return Answer(504, f"proxy: {self.upstreams[i]}: timed out after {self.cfg.request_timeout_s:.0f}s".encode(), {})
         except aiohttp.ClientError as e:
@@ -74,9 +79,10 @@ class Proxy:
             self.inflight[i] -= 1
 
     def failure(self, what: str, answers: list[Answer], bad: list[int], status: int | None = None) -> web.Response:
+        """Encoded with replacement: `what` may quote a name holding a lone surrogate (JSON can escape one)."""
         first, text = answers[bad[0]], answers[bad[0]].body[:300].decode(errors="replace")
-        return web.Response(status=status or first.status, text=f"proxy: {len(bad)}/{len(answers)} servers {what}; "
-                            f"first: {self.upstreams[bad[0]]} -> {first.status} {text}")
+        text = f"proxy: {len(bad)}/{len(answers)} servers {what}; first: {self.upstreams[bad[0]]} -> {first.status} {text}"
+        return web.Response(status=status or first.status, body=text.encode(errors="replace"), content_type="text/plain")
 
     async def forward(self, request: web.Request, first: int | None = None):
         """To replica `first`, else the least busy; the next one only if it cannot be reached at all."""
@@ -89,14 +95,14 @@ class Proxy:
 
     async def completions(self, request: web.Request):
         body = P.parse_json(await request.read())
-        prompt, model = body.get("prompt", body.get("messages")), P.utf8(body.get("model") or "")
+        prompt, model = body.get("prompt", body.get("messages")), str(body.get("model") or "")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]  # a batch of prompts is routed by its first one
         return await self.forward(request, self.router.choose(model, prompt, self.inflight)[0])
 
     async def load_lora(self, request: web.Request):
         body = P.parse_json(await request.read())
-        name, path = P.utf8(body.get("lora_name")), body.get("lora_path")
+        name, path = str(body.get("lora_name")), body.get("lora_path")
 
         async def load(i):  # retry while the replica cannot see the directory yet
             deadline = time.time() + self.cfg.load_timeout_s
@@ -111,12 +117,12 @@ class Proxy:
             loaded = [i for i, a in enumerate(answers) if a.status == 200]
             already = [i for i, a in enumerate(answers) if a.status == 400 and P.LOADED.encode() in a.body]
             bad = [i for i in range(len(answers)) if i not in loaded and i not in already]
-            models = [] if bad else await asyncio.gather(*(self.send(i, request, P.MODELS, "GET") for i in already))
+            models = [] if bad else await asyncio.gather(*(self.send(i, request, "/v1/models", "GET") for i in already))
             other_weights = any(P.root_of(m.body, name) != path for m in models)  # the name, but not these weights
             if not bad and not other_weights:  # everywhere now; if every replica had it, say so as one server would
                 return reply(answers[loaded[0]] if loaded else answers[0])
             for i in loaded:  # all or nothing: take it back where it went in
-                await self.send(i, request, P.UNLOAD, "POST", json.dumps({"lora_name": name}).encode())
+                await self.send(i, request, "/v1/unload_lora_adapter", "POST", json.dumps({"lora_name": name}).encode())
         if other_weights:
             return P.error(400, P.already_loaded(name), "InvalidUserInput")
         status = 504 if P.NO_ADAPTER.encode() in answers[bad[0]].body else None  # the directory never appeared
@@ -124,7 +130,7 @@ class Proxy:
 
     async def everywhere(self, request: web.Request):
         answers = await asyncio.gather(*(self.send(i, request) for i in range(len(self.upstreams))))
-        fine = (200, 404) if request.path == P.UNLOAD else (200,)
+        fine = (200, 404) if request.path == "/v1/unload_lora_adapter" else (200,)
         bad = [i for i, a in enumerate(answers) if a.status not in fine]
         if bad:
             return self.failure("unhealthy" if request.method == "GET" else f"failed {request.path}", answers, bad)
@@ -149,10 +155,11 @@ def main():
     if not cfg.api_key and not cfg.no_auth:
         raise SystemExit("set --api_key KEY (or MINIGRPO_API_KEY), or pass --no_auth to run without client auth")
     proxy = Proxy(cfg)
-    routes = [web.post(P.COMPLETIONS, proxy.completions), web.post(P.CHAT, proxy.completions),
-              web.post(P.LOAD, proxy.load_lora), *[web.post(p, proxy.everywhere) for p in P.EVERY_REPLICA],
-              *[web.get(p, proxy.everywhere) for p in (P.HEALTH, P.PING)], web.get("/proxy/stats", proxy.stats),
-              web.route("*", "/{tail:.*}", proxy.forward)]
+    routes = [web.post("/v1/completions", proxy.completions), web.post("/v1/chat/completions", proxy.completions),
+              web.post("/v1/load_lora_adapter", proxy.load_lora), web.get("/proxy/stats", proxy.stats),
+              *[web.post(p, proxy.everywhere) for p in ("/v1/unload_lora_adapter", "/pause", "/resume")],
+              web.post("/reset_prefix_cache", proxy.everywhere), web.get("/health", proxy.everywhere),
+              web.get("/ping", proxy.everywhere), web.route("*", "/{tail:.*}", proxy.forward)]
     P.run(cfg, routes, proxy.connect, f"proxy -> {len(cfg.upstream)} replicas")
 
 

@@ -1,6 +1,6 @@
-"""The HTTP rules minigrpo/serve.py, proxy.py and the http engine (minigrpo/remote.py) share: vLLM's routes, error
-body and auth rule, the texts clients match on, the headers a hop drops, strict input handling, and the server
-settings and setup (README, "Many replicas" and "Failure model"). It imports nothing else from the project.
+"""The HTTP rules minigrpo/serve.py, proxy.py and the http engine (minigrpo/remote.py) share: vLLM's error body and
+auth rule, the texts clients match on, strict input handling, and the server settings and setup (README, "Many
+replicas" and "Failure model"). It imports nothing else from the project.
 
 Copied from vLLM (v0.27-v0.33 sources): the error body (`ErrorResponse` in vllm/entrypoints/serve/engine/protocol.py),
 the auth rule and its 401 {"error": "Unauthorized"} (vllm/entrypoints/serve/middleware/authenticate.py), "has
@@ -14,20 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 from aiohttp import web
 
-COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
-LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
-HEALTH, PING, VERSION = "/health", "/ping", "/version"
-PAUSE, RESUME, IS_PAUSED, RESET_PREFIX_CACHE = "/pause", "/resume", "/is_paused", "/reset_prefix_cache"
-SERVER_INFO, WORLD_SIZE = "/server_info", "/get_world_size"
-EVERY_REPLICA = (UNLOAD, PAUSE, RESUME, RESET_PREFIX_CACHE)  # a proxy sends these to all replicas
-
-ADAPTER_HEADER, DIGEST_HEADER = "X-Adapter-Name", "X-Adapter-Digest"
 NO_ADAPTER, LOADED = "No adapter found", "has already been loaded"
-RETRY_STATUS = (500, 502, 503, 504)  # worth another try from a client
-
-# never passed through a proxy in either direction: hop-by-hop headers, credentials, and what aiohttp recomputes
-HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-               "transfer-encoding", "upgrade", "host", "authorization", "content-length", "content-encoding"}
 
 
 @dataclass
@@ -35,7 +22,7 @@ class ServerConfig:  # what the server and the proxy both take
     host: str = field(default="127.0.0.1", metadata={"help": "bind address (loopback unless told otherwise)"})
     port: int = field(default=8000, metadata={"help": "port"})
     api_key: str = field(default="", metadata={"help": "require 'Authorization: Bearer KEY' on /v1 routes, as vLLM"})
-    max_body_mb: int = field(default=8, metadata={"help": "largest request body"})
+    max_body_mb: int = field(default=16, metadata={"help": "largest request body"})
     header_timeout_s: float = field(default=30.0, metadata={"help": "close a connection still without a request head"})
     body_timeout_s: float = field(default=30.0, metadata={"help": "answer 408 to a body that takes longer to arrive"})
 
@@ -53,22 +40,8 @@ def already_loaded(name: str) -> str:
             "set 'load_inplace' to True.")
 
 
-def utf8(s) -> str:
-    """str(s) with any lone surrogate replaced: JSON can escape them ("\\udcff"), but UTF-8 cannot encode them."""
-    return str(s).encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-
-
-def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
-    """Strict JSON: a NaN or infinity anywhere is a bug, answered as a 500 that says so rather than sent bare."""
-    try:
-        text = json.dumps(data, allow_nan=False)
-    except ValueError:
-        return error(500, "the response held a NaN or infinite number", "InternalServerError")
-    return web.Response(text=text, status=status, headers=headers, content_type="application/json")
-
-
 def error(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> web.Response:
-    return json_response({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status)
 
 
 def root_of(models: bytes | str, name: str) -> str | None:
@@ -92,27 +65,13 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-async def read_body(request: web.Request, timeout_s: float) -> bytes:
-    try:
-        return await asyncio.wait_for(request.read(), timeout_s)
-    except asyncio.TimeoutError:
-        message = f"the request body did not arrive within {timeout_s:g}s"
-        raise BadRequest(message, None, 408, "RequestTimeout") from None
-    except web.RequestPayloadError as e:  # e.g. a body that its Content-Encoding cannot decode
-        raise BadRequest(f"the body cannot be read: {e}") from None
-
-
 def bearer(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def forwardable(headers) -> dict:
-    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
-
-
 def guard(api_key: str, body_timeout_s: float):
-    """The middleware both servers run: vLLM's auth rule, then the whole body read within the timeout (aiohttp keeps
-    it for the handler's request.read()), then every failure answered as vLLM's JSON error body."""
+    """The middleware both servers run: vLLM's auth rule, the whole body read within the timeout, then every failure
+    answered as vLLM's JSON error body."""
     @web.middleware
     async def middleware(request: web.Request, handler):
         # the exact key, compared in constant time on the raw bytes (aiohttp keeps non-UTF-8 bytes as surrogates)
@@ -120,12 +79,17 @@ def guard(api_key: str, body_timeout_s: float):
         if api_key and request.path.startswith("/v1") and not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
             return web.json_response({"error": "Unauthorized"}, status=401)
         try:
-            await read_body(request, body_timeout_s)
+            await asyncio.wait_for(request.read(), body_timeout_s)  # aiohttp keeps it for the handler's read()
+        except asyncio.TimeoutError:
+            return error(408, f"the request body did not arrive within {body_timeout_s:g}s", "RequestTimeout")
+        except web.RequestPayloadError as e:  # e.g. a body that its Content-Encoding cannot decode
+            return error(400, f"the body cannot be read: {e}")
+        except web.HTTPRequestEntityTooLarge as e:
+            return error(413, e.text)
+        try:
             return await handler(request)
         except BadRequest as e:
             return error(e.status, str(e), e.kind, e.param)
-        except web.HTTPRequestEntityTooLarge as e:
-            return error(413, e.text)
         except web.HTTPException as e:  # unknown route or method: FastAPI's plain JSON, as vLLM answers
             return web.json_response({"detail": e.reason}, status=e.status)
         except Exception as e:  # noqa: BLE001 -- a failed engine call: a 500 with vLLM's body, and the server goes on

@@ -9,6 +9,7 @@
 """
 import asyncio
 import contextlib
+import json
 import os
 import time
 
@@ -43,16 +44,15 @@ class HttpEngine:
                                          headers=P.bearer(api_key))
         self.session = self.loop.run_until_complete(session())
 
-    async def _call(self, method: str, path: str, body=None) -> tuple[int, str, dict | None]:
-        """(status, text, json or None), retrying transport errors and 5xx with backoff 0.5, 1, 2, ... 8 s."""
+    async def _call(self, method: str, path: str, body=None) -> tuple[int, str]:
+        """(status, text), retrying transport errors and 5xx with backoff 0.5, 1, 2, ... 8 s."""
         last = None
         for attempt in range(self.retries):
             try:
                 async with self.session.request(method, self.url + path, json=body) as resp:
                     text = await resp.text()
-                    if resp.status not in P.RETRY_STATUS:
-                        is_json = resp.content_type == "application/json"
-                        return resp.status, text, await resp.json() if is_json else None
+                    if resp.status not in (500, 502, 503, 504):
+                        return resp.status, text
                     last = f"{resp.status} {text[:300]}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 last = f"{type(e).__name__}: {e}"
@@ -63,7 +63,7 @@ class HttpEngine:
         start, said = time.monotonic(), False
         while time.monotonic() - start < timeout_s:
             with contextlib.suppress(ServerError):  # one call retries for about 25 s
-                if self.loop.run_until_complete(self._call("GET", P.HEALTH))[0] == 200:
+                if self.loop.run_until_complete(self._call("GET", "/health"))[0] == 200:
                     return
             if not said and time.monotonic() - start > 10:
                 print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
@@ -72,9 +72,9 @@ class HttpEngine:
         raise ServerError(f"no healthy server at {self.url} after {timeout_s:.0f}s (is it running? right --url?)")
 
     async def _load(self, name: str, path: str):
-        status, text, _ = await self._call("POST", P.LOAD, {"lora_name": name, "lora_path": path})
+        status, text = await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
         if status == 400 and P.LOADED in text:  # another generator was first: fine if /v1/models shows this path
-            there = P.root_of((await self._call("GET", P.MODELS))[1], name)
+            there = P.root_of((await self._call("GET", "/v1/models"))[1], name)
             if there != path:
                 raise ServerError(f"{self.url} already serves {name} from {there}, not from {path}")
         elif status != 200:
@@ -85,7 +85,7 @@ class HttpEngine:
         self.loop.run_until_complete(self._load(name, path))
         self.loaded[version], self.version = (name, path), version
         for old in [v for v in self.loaded if v <= version - self.keep]:  # left the staleness window; 404 is fine
-            self.loop.run_until_complete(self._call("POST", P.UNLOAD, {"lora_name": self.loaded.pop(old)[0]}))
+            self.loop.run_until_complete(self._call("POST", "/v1/unload_lora_adapter", {"lora_name": self.loaded.pop(old)[0]}))
 
     async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
         name, path = self.loaded[self.version]
@@ -93,13 +93,13 @@ class HttpEngine:
                 "top_p": sp.top_p, "top_k": 0, "logprobs": 0, "stop_token_ids": list(sp.stop_token_ids),
                 "return_token_ids": True, "seed": sp.seed}  # seed None: the server samples from its own generator
         async with self.inflight:
-            status, text, data = await self._call("POST", P.COMPLETIONS, body)
+            status, text = await self._call("POST", "/v1/completions", body)
             if status == 404 and "does not exist" in text:  # a replica restarted and forgot the adapter
                 await self._load(name, path)
-                status, text, data = await self._call("POST", P.COMPLETIONS, body)
-        if status != 200 or data is None:
+                status, text = await self._call("POST", "/v1/completions", body)
+        if status != 200:
             raise ServerError(f"{self.url}/v1/completions answered {status}: {text[:300]}")
-        choices = sorted(data["choices"], key=lambda c: c["index"])
+        choices = sorted(json.loads(text)["choices"], key=lambda c: c["index"])
         return [Completion(c["token_ids"], c["logprobs"]["token_logprobs"], "stop" if c["finish_reason"] == "stop"
                            else "length", adapter_digest=c.get("adapter_digest") or "") for c in choices]
 

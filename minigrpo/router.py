@@ -71,7 +71,8 @@ class PrefixRouter:
 
 @functools.lru_cache(maxsize=4096)  # a prompt comes G times in a row: hash its blocks once
 def chain(model: str, data: bytes, size: int) -> tuple[bytes, ...]:
-    hashes = [hashlib.blake2b(model.encode(), digest_size=16).digest()]  # the seed: the model name
+    # the seed: the model name (surrogatepass: JSON can carry a lone surrogate, which plain UTF-8 refuses)
+    hashes = [hashlib.blake2b(model.encode("utf-8", "surrogatepass"), digest_size=16).digest()]
     for i in range(0, len(data), size):  # the last block may be partial
         hashes.append(hashlib.blake2b(hashes[-1] + data[i:i + size], digest_size=16).digest())
     return tuple(hashes[1:])

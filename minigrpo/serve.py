@@ -8,6 +8,7 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (README, "Many replicas", lists what a client
 ignore, or one not implemented here, is refused by name: nothing is silently ignored.
 """
 import asyncio
+import json
 import math
 import os
 import time
@@ -33,8 +34,8 @@ NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer all
 SAMPLING = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
             "ignore_eos", "min_tokens", "logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty",
             "skip_special_tokens", "return_token_ids", "stream", "include_stop_str_in_output", "logprobs"}
-FIELDS = {P.COMPLETIONS: SAMPLING | {"prompt", "echo", "prompt_logprobs", "return_tokens_as_token_ids"},
-          P.CHAT: SAMPLING | {"messages", "max_completion_tokens", "top_logprobs"}}
+FIELDS = {"/v1/completions": SAMPLING | {"prompt", "echo", "prompt_logprobs", "return_tokens_as_token_ids"},
+          "/v1/chat/completions": SAMPLING | {"messages", "max_completion_tokens", "top_logprobs"}}
 # what SamplingParams takes as is: (default, low, high, whether low itself is refused)
 RANGES = {"temperature": (1.0, 0, MAX_FACTOR, False), "top_p": (1.0, 0, 1, True), "min_p": (0.0, 0, 1, False),
           "repetition_penalty": (1.0, 0, MAX_FACTOR, True), "presence_penalty": (0.0, -2, 2, False),
@@ -96,9 +97,9 @@ class Server:
         # a text longer than this cannot fit in max_model_len tokens: refused before it is tokenized
         self.max_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
 
-    async def start(self, request: web.Request, route: str) -> tuple[dict, str, int]:
+    async def start(self, request: web.Request) -> tuple[dict, str, int]:
         body = P.parse_json(await request.read())
-        unknown = sorted(body.keys() - FIELDS[route])
+        unknown = sorted(body.keys() - FIELDS[request.path])
         if unknown:
             raise P.BadRequest(f"{unknown[0]} is not supported by this server", unknown[0])
         for key, allowed in OFF.items():
@@ -193,7 +194,7 @@ class Server:
         return {int(k): min(100.0, max(-100.0, float(v))) for k, v in bias.items()}
 
     async def completions(self, request: web.Request):
-        body, model, n = await self.start(request, P.COMPLETIONS)
+        body, model, n = await self.start(request)
         logprobs = number(body, "logprobs", 0, 0, min(MAX_LOGPROBS, self.vocab), integer=True)
         prompts = await self.prompts(body, n)
         out = await self.scheduler.submit(model, prompts, self.sampling(body, prompts, n, logprobs))
@@ -208,7 +209,7 @@ class Server:
                                                   "ec_transfer_params": None, "metrics": None}, "cmpl")
 
     async def chat(self, request: web.Request):
-        body, model, n = await self.start(request, P.CHAT)
+        body, model, n = await self.start(request)
         logprobs = flag(body, "logprobs")
         top = number(body, "top_logprobs", 0, 0, min(MAX_LOGPROBS, self.vocab), integer=True)
         if top and not logprobs:
@@ -248,14 +249,15 @@ class Server:
         completion = sum(len(c.token_ids) for group in out for c in group)
         prompt_tokens = sum(map(len, prompts))  # once per prompt, whatever n is
         digest = ",".join(dict.fromkeys(c.adapter_digest for g in out for c in g if c.finish_reason != "abort"))
-        return P.json_response({
+        return web.json_response({
             "id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model, **body,
             "choices": [{"index": i} | c for i, c in enumerate(body["choices"])],
             "service_tier": None, "system_fingerprint": None, "kv_transfer_params": None,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion,
                       "completion_tokens": completion, "prompt_tokens_details": None,
                       "completion_tokens_details": None}},
-            headers={P.ADAPTER_HEADER: model, P.DIGEST_HEADER: digest})
+            headers={"X-Adapter-Name": model, "X-Adapter-Digest": digest},
+            dumps=lambda data: json.dumps(data, allow_nan=False))  # a NaN or infinity is a bug: a 500 says so
 
     async def load_lora(self, request: web.Request):
         body = P.parse_json(await request.read())
@@ -302,7 +304,7 @@ class Server:
                     "parent": parent, "max_model_len": max_len, "permission": []}
         data = [card(self.name, self.cfg.model, None, self.max_model_len, int(time.time()))]
         data += [card(n, a.path, self.name, None, a.created) for n, a in self.scheduler.adapters.items()]
-        return P.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": data})
 
     async def pause(self, request):
         mode = request.query.get("mode", "abort")
@@ -327,17 +329,18 @@ class Server:
 
     async def fixed(self, request):
         """The routes whose answer needs no work; /health and /ping answer an empty 200."""
-        answers = {P.VERSION: {"version": VERSION}, P.IS_PAUSED: {"is_paused": self.scheduler.paused is not None},
-                   P.RESET_PREFIX_CACHE: {"success": True}, P.WORLD_SIZE: {"world_size": 1}}
+        answers = {"/version": {"version": VERSION}, "/is_paused": {"is_paused": self.scheduler.paused is not None},
+                   "/reset_prefix_cache": {"success": True}, "/get_world_size": {"world_size": 1}}
         return web.json_response(answers[request.path]) if request.path in answers else web.Response()
 
     def routes(self) -> list:
         return [
-            web.post(P.COMPLETIONS, self.completions), web.post(P.CHAT, self.chat), web.get(P.MODELS, self.models),
-            web.post(P.LOAD, self.load_lora), web.post(P.UNLOAD, self.unload_lora),
-            web.post(P.PAUSE, self.pause), web.post(P.RESUME, self.resume), web.get(P.SERVER_INFO, self.server_info),
-            web.route("*", P.PING, self.fixed), web.post(P.RESET_PREFIX_CACHE, self.fixed),
-            *[web.get(path, self.fixed) for path in (P.HEALTH, P.VERSION, P.IS_PAUSED, P.WORLD_SIZE)]]
+            web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+            web.get("/v1/models", self.models), web.post("/v1/load_lora_adapter", self.load_lora),
+            web.post("/v1/unload_lora_adapter", self.unload_lora), web.post("/pause", self.pause),
+            web.post("/resume", self.resume), web.get("/server_info", self.server_info),
+            web.route("*", "/ping", self.fixed), web.post("/reset_prefix_cache", self.fixed),
+            *[web.get(path, self.fixed) for path in ("/health", "/version", "/is_paused", "/get_world_size")]]
 
 
 def main():
