@@ -58,7 +58,6 @@ class Proxy:
         self.inflight, self.routed = [0] * len(self.upstreams), [0] * len(self.upstreams)
         self.auth = P.bearer(cfg.upstream_token or os.environ.get("HF_TOKEN", ""))
         self.loading = collections.defaultdict(asyncio.Lock)  # one load per adapter name at a time
-        self.session = None
 
     async def send(self, i: int, request: web.Request, path: str | None = None, method: str | None = None,
                    body: bytes | None = None) -> Answer:

