@@ -85,7 +85,8 @@ class HttpEngine:
         self.loop.run_until_complete(self._load(name, path))
         self.loaded[version], self.version = (name, path), version
         for old in [v for v in self.loaded if v <= version - self.keep]:  # left the staleness window; 404 is fine
-            self.loop.run_until_complete(self._call("POST", "/v1/unload_lora_adapter", {"lora_name": self.loaded.pop(old)[0]}))
+            unload = {"lora_name": self.loaded.pop(old)[0]}
+            self.loop.run_until_complete(self._call("POST", "/v1/unload_lora_adapter", unload))
 
     async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
         name, path = self.loaded[self.version]

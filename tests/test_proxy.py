@@ -183,6 +183,9 @@ def test_the_proxy_answers_malformed_input_with_json_4xx(fleet):
     assert status == 400 and out["error"]["param"] == "temperature"
     assert call("POST", fleet["proxy"] + "/v1/load_lora_adapter", raw=b'{"lora_name": "x", "lora_path": 1e999',
                 key=CLIENT)[0] == 400
+    status, text, _ = call("POST", fleet["proxy"] + "/v1/load_lora_adapter", key=CLIENT,
+                           raw=b'{"lora_name": "\\udcff", "lora_path": "/nowhere"}')  # the replicas refuse the name
+    assert status == 400 and "2/2 servers failed to load ?; rolled back" in text and "must be printable" in text
 
 
 def test_http_engine_catches_a_replica_serving_other_weights_under_the_name(fleet):
