@@ -25,8 +25,7 @@ from minigrpo.router import PrefixRouter
 
 @dataclass
 class ProxyConfig(P.ServerConfig):
-    upstream: list[str] = field(default_factory=list, metadata={"help": "a replica's base URL; repeat for each replica",
-                                                                "action": "extend"})
+    upstream: list[str] = field(default_factory=list, metadata={"help": "each replica's base URL", "action": "extend"})
     no_auth: bool = field(default=False, metadata={"help": "run without a client key (only on a trusted network)"})
     upstream_token: str = field(default="", metadata={"help": "bearer token sent to the replicas (default: env HF_TOKEN)"})
     imbalance: int = field(default=32, metadata={"help": "affinity only while a replica is at most this many requests "
