@@ -41,20 +41,17 @@ class GenerateConfig:
     url: str = field(default="http://127.0.0.1:8000", metadata={"help": "--engine http: the server or proxy address"})
     api_key: str = field(default="", metadata={"help": "--engine http: the server's API key (or env MINIGRPO_API_KEY)"})
     max_inflight: int = field(default=64, metadata={"help": "--engine http: most requests in flight at once"})
-    gpu_memory_utilization: float = field(default=0.85, metadata={"help": "--engine vllm: the share of GPU memory "
-                                          "vLLM takes (the trainer's GPU needs the rest if it shares one)"})
+    gpu_memory_utilization: float = field(default=0.85, metadata={"help": "--engine vllm: vLLM's share of the GPU"})
     generator_id: str = field(default="", metadata={"help": "names this generator's files; default host-pid"})
     prompts_per_batch: int = field(default=8, metadata={"help": "prompts sampled together; G completions each"})
-    max_ready: int = field(default=64, metadata={"help": "backpressure: wait while this many groups (two of the "
-                           "trainer's default steps) wait for the trainer"})
+    max_ready: int = field(default=64, metadata={"help": "backpressure: most groups left waiting for the trainer"})
     seed: int = field(default=0, metadata={"help": "seed for prompts and sampling (mixed with generator_id)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
     dtype: str = field(default="float32", metadata={"help": "model weights: float32 | bfloat16 | float16"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the trainer)"})
     poll_s: float = field(default=0.02, metadata={"help": "how often to look at LATEST, rollouts/ and DONE while waiting"})
     max_batches: int = field(default=0, metadata={"help": "stop after this many batches (0: until DONE)"})
-    lockstep: bool = field(default=False, metadata={"help": "synchronous GRPO, for comparison: sample a trainer "
-                                                            "step's groups with each version, then wait for the next"})
+    lockstep: bool = field(default=False, metadata={"help": "synchronous GRPO, to compare: one step's groups a version"})
 
 
 def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
@@ -74,11 +71,10 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
 
 
 def waiting_groups(buffer: RolloutBuffer, watch: Watch, writer: str, written: int, batch: int) -> tuple[int, dict]:
-    """(groups that will wait once this generator writes its next batch, counted so that N generators together stay
-    within --max_ready; the trainer's lease). A live lease (it changed within its timeout, on this process's clock)
-    gives what waited at the trainer's last listing, each writer's last group in it and the N writers at work: each
-    takes 1/N of the room. 0 while the trainer waits for more than there is. Without a live lease, or before the
-    trainer listed this generator's groups: the listing of rollouts/, each writer in it adding a batch."""
+    """(groups waiting once this generator writes its next batch, so that N generators together stay within
+    --max_ready; the lease). A live lease (changed within its timeout) says what waited at the trainer's last listing,
+    each writer's last group in it and the N writers, each taking 1/N of the room; 0 while the trainer wants more.
+    Else, or before the trainer saw this generator's groups: the listing of rollouts/, each writer adding a batch."""
     raw = None
     with contextlib.suppress(FileNotFoundError, ValueError):
         raw = buffer.storage.get("owner.json")
@@ -109,10 +105,12 @@ def main():
     print(f"generator {gen_id} ({cfg.engine} engine): {cfg.prompts_per_batch} prompts x G={run.group_size} = "
           f"{cfg.prompts_per_batch * run.group_size} completions per batch\n  {asdict(run)}\n  {asdict(cfg)}", flush=True)
 
+    if meta.get("grader") and meta["grader"] != task.grader:  # rewards from two graders would mix in one run
+        raise SystemExit(f"this generator grades with {task.grader}, the run with {meta['grader']}: install the same")
     batch = written = 0
     watch = Watch()  # how long the lease has stayed the same: a dead trainer's tells nothing any more
     skipped, made = set(), collections.Counter()  # adapter versions that could not be loaded; groups per version
-    idle_since, say_at = time.time(), time.time() + 10  # say_at: when to say, once, that no adapter came yet
+    idle_since = time.time()
     while (not cfg.max_batches or batch < cfg.max_batches) and not storage.exists("DONE"):
         # backpressure: wait while the next batch would leave more than max_ready groups waiting. Lock-step: once
         # this version has sampled a trainer step's groups (in whole batches), wait for the next version
@@ -132,9 +130,6 @@ def main():
                 skipped.add(latest)
                 print(f"generator {gen_id}: cannot load {path} ({type(e).__name__}: {e}); skipped", flush=True)
         if engine.version is None:  # no version could be loaded yet: wait for the next one (not backpressure)
-            if time.time() > say_at:
-                print(f"waiting for a loadable {storage.url('adapters/LATEST')} (is train.py running?)", flush=True)
-                say_at = float("inf")
             idle_since = time.time()
             time.sleep(poll_s)
             continue

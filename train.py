@@ -43,8 +43,7 @@ from minigrpo.tasks import make_task, prompt_ids, score
 
 @dataclass
 class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high, beta, tis_cap) come first
-    run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory: a folder or a URL "
-                                                                "(s3://bucket/prefix, gs://..., hf://buckets/...)"})
+    run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory: a folder, s3://, gs://, hf://"})
     max_steps: int = field(default=250, metadata={"help": "optimizer steps in the whole run"})
     groups_per_step: int = field(default=32, metadata={"help": "groups (prompts) per optimizer step; x G = completions"})
     lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate on the LoRA weights"})
@@ -63,16 +62,15 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | mps (torchrun: cuda:LOCAL_RANK)"})
     collective_timeout_s: float = field(default=600.0, metadata={"help": "torchrun: the gradient all-reduce's timeout"})
     eval_batch_size: int = field(default=256, metadata={"help": "held-out prompts sampled at once (bounds memory)"})
-    policy_check_tol: float = field(default=0.1, metadata={"help": "mean |log pi_theta - log mu| per token past which "
-                                    "a group at the trainer's version was not sampled with its weights (0: off)"})
+    policy_check_tol: float = field(default=0.1, metadata={"help": "mean |log pi - log mu| per token past which a group "
+                                    "of the trainer's own version was sampled with other weights (0: off)"})
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "base weights (LoRA, loss: "
                                                   "float32); no float16: without loss scaling its gradients underflow"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the generator)"})
     wait_timeout_s: float = field(default=600.0, metadata={"help": "fail if no rollout arrives for this long"})
-    lease_timeout_s: float = field(default=60.0, metadata={"help": "one trainer owns a run (RUN/owner.json); another "
-                                   "takes it over once its heartbeat is this old, or at once if it died on this host"})
-    allow_new_settings: bool = field(default=False, metadata={"help": "resume even if training settings (lr, "
-                                     "loss_type, ...) differ from the checkpoint's"})
+    lease_timeout_s: float = field(default=60.0, metadata={"help": "another trainer takes the run over once the "
+                                   "owner's heartbeat (RUN/owner.json) is this old, or at once if it died on this host"})
+    allow_new_settings: bool = field(default=False, metadata={"help": "resume with other training settings (lr, ...)"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -82,9 +80,8 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
 
 # ---------------------------------------------------------------------------------------------------------------
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
-    """Block until cfg.groups_per_step fresh groups are taken. Stale (and, for dapo, zero-std) groups are taken
-    too, so that they are consumed once, and counted in stats. While it waits, the lease says so every second,
-    or a generator could keep waiting for room that the trainer has already made. Returns (groups, seconds waited)."""
+    """Block until cfg.groups_per_step fresh groups are taken (stale and, for dapo, zero-std ones are consumed and
+    counted). While it waits, the lease says so every second: a generator may be waiting for room. (groups, wait s)"""
     t0, last_seen, told, groups = time.time(), time.time(), 0.0, []
     while len(groups) < cfg.groups_per_step:
         taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
@@ -121,9 +118,8 @@ def build_samples(groups, run, cfg):
 
 
 def policy_mismatches(groups, samples, version, world, tol) -> list:
-    """The groups that name `version`, the weights train_step just scored them with, yet whose mean
-    |log pi_theta - log mu| per token exceeds tol: their sampler did not apply the adapter it names (a replica
-    serving the base model or a stale LoRA under that name), which would otherwise pass for staleness."""
+    """The groups naming `version`, the weights train_step just scored them with, whose mean |log pi - log mu| per
+    token exceeds tol: their sampler did not apply that adapter (a replica serving the base model or a stale LoRA)."""
     G, gap, tokens = len(samples) // len(groups), {}, {}
     for j in range(0, len(samples), world):
         gap[j // G] = gap.get(j // G, 0.0) + samples[j].gap
@@ -217,8 +213,7 @@ def evaluate(engine, tokenizer, task, problems, run, seed, batch_size) -> float:
 
 
 def publish(store, lease, model, version, config, run, step) -> tuple[int, float]:
-    """Write an adapter version (`version`, or the next name nobody claimed), then point LATEST at it while this
-    trainer holds the lease. Returns (the version, the seconds it took)."""
+    """Write adapter `version` (or the next unclaimed name), then point LATEST at it under the lease: (version, s)."""
     t0 = time.time()
     fault("before_publish", step)
     version = store.write(version, lora_state_dict(model), config)
@@ -276,9 +271,8 @@ def main():
                          f"Delete it or pass another --run_dir to start a new run.")
     # the ranks of one job share rank 0's lease; a lock-step generator reads groups_per_step from it
     lease = Lease(storage, cfg.lease_timeout_s, groups_per_step=cfg.groups_per_step) if rank == 0 else None
-    if lease and (previous := lease.acquire()):
-        print(f"took over the run from trainer {previous['owner'] or '? (owner.json was not a lease)'} (host "
-              f"{previous['host']}, epoch {previous['epoch']}); this is epoch {lease.info['epoch']}", flush=True)
+    if lease and (old := lease.acquire()):
+        print(f"took over from trainer {old['owner'] or '?'} (host {old['host']}, epoch {old['epoch']})", flush=True)
     task = make_task(run)
     meta = create_run(storage, run, task.grader) if rank == 0 else None
     torch.set_num_threads(cfg.threads)

@@ -97,12 +97,13 @@ def read_json(storage, key: str):
         raise SystemExit(f"{storage.url(key)} is damaged (not valid JSON: {e}): restore it or change --run_dir") from e
 
 
-def create_run(storage, settings: RunSettings) -> dict:
+def create_run(storage, settings: RunSettings, grader: str = "") -> dict:
+    """Write run.json if it is absent (with the grader every group must be scored by), then join it."""
     if read_json(storage, "run.json") is None:
         if storage.list("adapters") or storage.list("checkpoints"):
             raise SystemExit(f"{storage.url('run.json')} is missing but the run has adapters or checkpoints: "
                              f"restore run.json, or start a new run with another --run_dir.")
-        run = dataclasses.asdict(settings) | {"run_id": uuid.uuid4().hex[:8], "created": time.time()}
+        run = dataclasses.asdict(settings) | {"run_id": uuid.uuid4().hex[:8], "created": time.time(), "grader": grader}
         storage.put("run.json", json.dumps(run, indent=2))
     return join_run(storage, settings)
 

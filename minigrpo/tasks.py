@@ -6,6 +6,7 @@ is 1 when the last \\boxed{...} (after the one </think> of a reasoning model) eq
 judges it: spacing, \\left/\\right, \\dfrac, \\text{}, degrees, 1,000, 1/2 = 0.5 = \\frac{1}{2}, (x+1)^2 = x^2+2x+1.
 """
 import collections
+import importlib.metadata
 import json
 import random
 
@@ -17,6 +18,8 @@ Problem = collections.namedtuple("Problem", "prompt answer")
 
 
 class ReverseAddition:
+    grader = "exact match"  # recorded in run.json and in every group: one grader scores a whole run
+
     def __init__(self):
         pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
         random.Random(0).shuffle(pairs)  # a random split: every digit combination appears on both sides
@@ -60,6 +63,8 @@ def math_reward(completion: str, answer: str, reasoning: bool = False) -> float:
 
 
 class MathTask:
+    grader = f"math-verify {importlib.metadata.version('math-verify')}"  # versions may judge answers differently
+
     def __init__(self, data: str, fields: str = "problem,answer", reasoning: bool = False, eval_fraction: float = 0.05):
         if not data:
             raise ValueError("--task math needs --task_data: a .jsonl or .parquet file, or hf://datasets/OWNER/NAME/FILE")

@@ -17,7 +17,7 @@ from minigrpo.engine import TorchEngine
 from minigrpo.lora import inject_lora, lora_layers
 from minigrpo.model import load_model, stop_token_ids
 from minigrpo.rollouts import Group, RolloutBuffer, read_group
-from minigrpo.run import RunSettings, parse_config
+from minigrpo.run import RunSettings, create_run, parse_config
 from minigrpo.storage import Storage
 from minigrpo.tasks import ReverseAddition
 from train import TrainConfig, evaluate, policy_mismatches, train_step
@@ -84,3 +84,11 @@ def test_float16_training_is_refused_naming_bfloat16(capsys):
         parse_config(RunSettings, TrainConfig, argv=["--dtype", "float16"])
     err = capsys.readouterr().err  # argparse: "invalid choice: 'float16' (choose from float32, bfloat16)"
     assert "--dtype" in err and "invalid choice: 'float16'" in err and "bfloat16" in err
+
+def test_a_generator_that_grades_otherwise_than_the_run_refuses_to_start(tmp_path):
+    storage = Storage(str(tmp_path / "run"))
+    create_run(storage, RunSettings(), grader="math-verify 0.0")  # run.json records the trainer's grader
+    out = subprocess.run([sys.executable, "generate.py", "--run_dir", storage.url(), "--max_batches", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "grades with exact match, the run with math-verify 0.0" in out.stderr
+    assert storage.list("rollouts") == []
