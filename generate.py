@@ -28,7 +28,7 @@ from minigrpo.lora import inject_lora
 from minigrpo.model import load_model, pick_device, resolve_model, stop_token_ids
 from minigrpo.remote import HttpEngine, ServerError, VllmEngine
 from minigrpo.rollouts import Group, RolloutBuffer
-from minigrpo.run import Metrics, RunSettings, Watch, join_run, lease_view, parse_config
+from minigrpo.run import Metrics, RunSettings, Watch, join_run, lease_view, parse_config, tracker
 from minigrpo.storage import Storage
 from minigrpo.tasks import make_task, prompt_ids, score
 
@@ -52,6 +52,8 @@ class GenerateConfig:
     poll_s: float = field(default=0.02, metadata={"help": "how often to look at LATEST, rollouts/ and DONE while waiting"})
     max_batches: int = field(default=0, metadata={"help": "stop after this many batches (0: until DONE)"})
     lockstep: bool = field(default=False, metadata={"help": "synchronous GRPO, to compare: one step's groups a version"})
+    report_to: Literal["none", "trackio", "wandb"] = field(default="none", metadata={"help": "also log to a tracker"})
+    tracker_project: str = field(default="minigrpo", metadata={"help": "--report_to: the tracker's project"})
 
 
 def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
@@ -101,7 +103,8 @@ def main():
     engine, tokenizer = make_engine(cfg, run, seed=rng.getrandbits(63))
     sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
     task, buffer, store = make_task(run), RolloutBuffer(storage), AdapterStore(storage, meta["run_id"])
-    metrics = Metrics(storage, f"generate-{gen_id}")
+    metrics = Metrics(storage, f"generate-{gen_id}", tracker(cfg.report_to, cfg.tracker_project,
+                      f"{meta['run_id']}-generate-{gen_id}", asdict(run) | asdict(cfg) | {"api_key": ""}))  # a secret
     print(f"generator {gen_id} ({cfg.engine} engine): {cfg.prompts_per_batch} prompts x G={run.group_size} = "
           f"{cfg.prompts_per_batch * run.group_size} completions per batch\n  {asdict(run)}\n  {asdict(cfg)}", flush=True)
 
@@ -162,6 +165,7 @@ def main():
     if hasattr(engine, "close"):
         engine.close()
     print(f"generator {gen_id} stopped after {batch} batches", flush=True)
+    metrics.finish()
 
 
 if __name__ == "__main__":

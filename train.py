@@ -36,7 +36,7 @@ from minigrpo.lora import adapter_config, inject_lora, lora_disabled, lora_state
 from minigrpo.model import load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
 from minigrpo.packing import Sample, collate, micro_batches
 from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
-from minigrpo.run import Lease, Metrics, RunSettings, create_run, fault, parse_config
+from minigrpo.run import Lease, Metrics, RunSettings, create_run, fault, parse_config, tracker
 from minigrpo.storage import Storage
 from minigrpo.tasks import make_task, prompt_ids, score
 
@@ -71,6 +71,8 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
     lease_timeout_s: float = field(default=60.0, metadata={"help": "another trainer takes the run over once the "
                                    "owner's heartbeat (RUN/owner.json) is this old, or at once if it died on this host"})
     allow_new_settings: bool = field(default=False, metadata={"help": "resume with other training settings (lr, ...)"})
+    report_to: Literal["none", "trackio", "wandb"] = field(default="none", metadata={"help": "also log to a tracker"})
+    tracker_project: str = field(default="minigrpo", metadata={"help": "--report_to: the tracker's project"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -226,7 +228,7 @@ def check_settings(saved: dict, cfg) -> list[str]:
     """Training settings a resume must keep (the math of the run); the others may change freely."""
     free = {"run_dir", "max_steps", "save_every", "eval_every", "eval_size", "micro_batch_tokens", "device",
             "threads", "wait_timeout_s", "lease_timeout_s", "allow_new_settings", "gradient_checkpointing",
-            "eval_batch_size", "policy_check_tol", "collective_timeout_s"}
+            "eval_batch_size", "policy_check_tol", "collective_timeout_s", "report_to", "tracker_project"}
     return [f"{k}: the checkpoint has {saved[k]!r}, this command has {v!r}" for k, v in asdict(cfg).items()
             if k not in free and k in saved and saved[k] != v]
 
@@ -300,7 +302,8 @@ def main():
         return
     ledger = Ledger(state and state["ledger"])
     buffer.collect(ledger.collect, lease.fenced)  # idempotent: a crash may have cut the last garbage collection short
-    store, metrics = AdapterStore(storage, meta["run_id"]), Metrics(storage, f"train-e{lease.info['epoch']:06d}")
+    store, metrics = AdapterStore(storage, meta["run_id"]), Metrics(storage, f"train-e{lease.info['epoch']:06d}",
+        tracker(cfg.report_to, cfg.tracker_project, f"{meta['run_id']}-train", asdict(run) | asdict(cfg)), "train")
     # ---- publish first: version 0 is the untrained adapter, a resume publishes its weights under a new name ----
     version = store.next_version(at_least=state["version"] + 1 if state else 0)
     version = publish(store, lease, model, version, peft_config, run, step)[0]
@@ -367,6 +370,7 @@ def main():
     buffer.collect(ledger.consumed, lease.fenced)  # nothing resumes a finished run: what the last checkpoint covers can go
     lease.release()
     print(f"done: {cfg.run_dir} (DONE written)", flush=True)
+    metrics.finish()
     if world > 1:
         dist.destroy_process_group()
 

@@ -244,13 +244,37 @@ class Lease:
         self.fenced(self.storage.delete, "owner.json")
 
 
-class Metrics:
-    """One JSON record per step: printed as one console line and kept in RUN/metrics/<name>-<life>-<seg>.jsonl.
-    Object stores cannot append, so the current segment (at most `segment` records) is rewritten whole."""
+def tracker(report_to: str, project: str, name: str, config: dict):
+    """(send(numbers, step), finish) for --report_to's run `name`, created or continued; None for none."""
+    if report_to == "none":
+        return None
+    try:
+        module = __import__(report_to)  # here, not at the top: both trackers are optional
+    except ImportError:
+        raise SystemExit(f"--report_to {report_to}: not installed; pip install -r requirements-trackers.txt") from None
+    wandb = {"id": name} if report_to == "wandb" else {}  # wandb continues a run by its id
+    run = module.init(project=project, name=name, config=config, resume="allow", **wandb)
 
-    def __init__(self, storage, name: str, segment: int = 25):
+    def send(numbers: dict, step: int):  # out of this process before it returns: a kill cannot lose it here
+        if wandb:
+            return run.log(numbers, step=step, commit=True)  # uncommitted, a step's row waits for a later step
+        run.log(numbers, step=step)
+        with run._client_lock:  # trackio's own thread writes every 0.5 s; write now, as that thread does
+            run._flush_queues_inline()
+    return send, run.finish
+
+
+class Metrics:
+    """One JSON record per step: printed as one console line, kept in RUN/metrics/<name>-<life>-<seg>.jsonl (object
+    stores cannot append: the current segment, at most `segment` records, is rewritten whole) and sent to the tracker.
+    The tracker gets a step only if it is higher than every step any earlier life recorded (a crash redoes steps)."""
+
+    def __init__(self, storage, name: str, tracker=None, lives: str = "", segment: int = 25):
         self.storage, self.segment, self.records = storage, segment, []
         self.prefix, self.n = f"metrics/{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}", 0
+        self.send, self.finish = tracker or (None, lambda: None)
+        earlier = read_records(storage, lives or f"{name}-") if tracker else []  # lives: all lives' names begin so
+        self.last = max((r.get("step", i) for i, r in enumerate(earlier)), default=-1)  # a generator's: batches
 
     def log(self, record: dict, line: str):
         if len(self.records) == self.segment:
@@ -258,6 +282,9 @@ class Metrics:
         self.records.append(json.dumps(record))
         self.storage.put(f"{self.prefix}-{self.n:05d}.jsonl", "\n".join(self.records) + "\n")
         print(line, flush=True)
+        if self.send and (step := record.get("step", self.last + 1)) > self.last:  # after the record: never sent twice
+            self.send({k: v for k, v in record.items() if type(v) in (int, float) and k not in ("step", "time")}, step)
+            self.last = step
 
 
 def read_records(storage, name: str, bad: list | None = None) -> list[dict]:
