@@ -36,8 +36,7 @@ class BadRequest(Exception):
 
 
 def already_loaded(name: str) -> str:
-    return (f"The lora adapter '{name}' {LOADED}. If you want to load the adapter in place, "
-            "set 'load_inplace' to True.")
+    return f"The lora adapter '{name}' {LOADED}. If you want to load the adapter in place, set 'load_inplace' to True."
 
 
 def error(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> web.Response:
