@@ -31,7 +31,7 @@ import torch.distributed as dist
 from minigrpo.adapters import AdapterStore
 from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
 from minigrpo.engine import SamplingParams, TorchEngine
-from minigrpo.grpo import LossConfig, advantages, combine_metrics, grpo_loss, overlong_penalty, zero_std_groups
+from minigrpo.grpo import LossConfig, advantages, combine_metrics, grpo_loss, zero_std_groups
 from minigrpo.lora import adapter_config, inject_lora, lora_disabled, lora_state_dict
 from minigrpo.model import load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
 from minigrpo.packing import Sample, collate, micro_batches
@@ -51,7 +51,6 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping by global norm"})
     old_logp: Literal["behavior", "recompute"] = field(default="behavior", metadata={
         "help": "pi_old: the generator's log-probs (behavior) or the current weights (recompute)"})
-    overlong_cache: int = field(default=0, metadata={"help": "DAPO soft overlong penalty over the last N tokens (0: off)"})
     sync_every: int = field(default=1, metadata={"help": "publish a new adapter version every N steps"})
     save_every: int = field(default=25, metadata={"help": "checkpoint every N steps (resume point)"})
     eval_every: int = field(default=50, metadata={"help": "pass@1 on the held-out set every N steps, and at step 0"})
@@ -111,8 +110,6 @@ def build_samples(groups, run, cfg):
     """One Sample per completion, with the group-normalised advantage. Returns (samples, rewards, lengths)."""
     rewards = torch.tensor([r for g in groups for r in g.rewards])  # (N*G,)
     lengths = torch.tensor([len(c) for g in groups for c in g.completion_ids])  # (N*G,)
-    if cfg.overlong_cache:
-        rewards = rewards + overlong_penalty(lengths, run.max_new_tokens, cfg.overlong_cache)
     adv = iter(advantages(rewards, run.group_size, scale_rewards=cfg.loss_type != "dr_grpo").tolist())  # (N*G,)
     samples = [Sample(g.prompt_ids + c, len(g.prompt_ids), lp, next(adv))
                for g in groups for c, lp in zip(g.completion_ids, g.behavior_logprobs)]

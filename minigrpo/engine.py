@@ -114,7 +114,7 @@ class TorchEngine:
         sampler = self.sampler(rows, ids, mask)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)  # (B,) ended, by a stop or by the limit
         stopped = done.clone()  # (B,) ended by a stop
-        tokens, logps, alive = [], [], []
+        tokens, logps, alive, check = [], [], [], 1 if self.device.type == "cpu" else 16
         for t in range(int(limit.max())):
             logp_all = sampler(logits, t)  # (B, V) what is sampled from
             u = torch.rand(logp_all.shape, generator=self.rng, device=self.device)  # (B, V)
@@ -127,8 +127,8 @@ class TorchEngine:
             alive.append(~done)  # a row keeps its tokens up to its first stop, or up to its limit
             stopped |= sampler.hit(tokens, done) & ~done
             done |= stopped | (t + 1 >= limit)
-            if bool(done.all()):  # the one copy to the host per token: the batch's early exit
-                break
+            if t % check == check - 1 and bool(done.all()):  # the batch's early exit, a copy to the host: on a GPU
+                break  # only every 16 tokens, so that the host queues the next steps while the device works
             mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
             pos = pos[:, -1:] + 1
             logits = self._forward(tok[:, None], mask, pos, cache)

@@ -42,11 +42,6 @@ def zero_std_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
     return (r == r[:, :1]).all(1)
 
 
-def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
-    """DAPO's soft overlong punishment: 0 up to max_len - cache_len, then a linear ramp to -1 at max_len."""
-    return ((max_len - cache_len - lengths.float()) / cache_len).clamp(-1.0, 0.0)
-
-
 @dataclass
 class LossConfig:
     """The loss's settings. train.py's TrainConfig extends this class, so each is also a flag of train.py."""

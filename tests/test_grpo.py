@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from minigrpo.grpo import (Batch, LossConfig, advantages, combine_metrics, grpo_loss, health, overlong_penalty,
+from minigrpo.grpo import (Batch, LossConfig, advantages, combine_metrics, grpo_loss, health,
                           zero_std_groups)
 from minigrpo.run import RunSettings, parse_config
 
@@ -147,10 +147,6 @@ def test_t10_kl_penalty_and_ratio_metrics():
     log_ratio = torch.tensor([[0.1, -0.2]])
     _, m = loss_of(log_ratio, torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), "dapo")
     close([m["ratio/mean"], m["ratio/min"], m["ratio/max"], m["kl"]], [0.9619508, 0.8187308, 1.1051709, 0.0119508])
-
-
-def test_t11_overlong_shaping():
-    close(overlong_penalty(torch.tensor([10, 16, 17, 18, 20, 21]), 20, 4), [0, 0, -0.25, -0.5, -1.0, -1.0])
 
 
 def test_t12_staleness_filter_is_strict():
