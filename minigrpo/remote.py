@@ -60,15 +60,13 @@ class HttpEngine:
         raise ServerError(f"{method} {self.url}{path} failed {self.retries} times; last: {last}")
 
     def wait_ready(self, timeout_s: float = 300.0):
-        start, said = time.monotonic(), False
-        while time.monotonic() - start < timeout_s:
-            with contextlib.suppress(ServerError):  # one call retries for about 25 s
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ServerError):  # one call retries for about 25 s, with backoff
                 if self.loop.run_until_complete(self._call("GET", "/health"))[0] == 200:
                     return
-            if not said and time.monotonic() - start > 10:
-                print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
-                said = True
-            time.sleep(0.5)
+            print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
+            time.sleep(1.0)
         raise ServerError(f"no healthy server at {self.url} after {timeout_s:.0f}s (is it running? right --url?)")
 
     async def _load(self, name: str, path: str):
