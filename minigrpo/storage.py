@@ -13,6 +13,7 @@ import stat
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -82,18 +83,10 @@ class Storage:
         raise ValueError(f"{path} is not a regular file (a directory, symlink, FIFO or device); refusing to read it")
 
     def get_many(self, keys: "list[str]") -> list:
-        """get() of several objects, concurrently on a bucket: each entry is the bytes or the exception."""
-        if not self.local:
-            with self._naming("read", keys[0] if keys else ""):
-                found = self.fs.cat([f"{self.root}/{k}" for k in keys], on_error="return")
-            return [found.get(f"{self.root}/{k}", FileNotFoundError(k)) for k in keys]
-        out = []
-        for key in keys:
-            try:
-                out.append(self.get(key))
-            except (OSError, ValueError) as e:
-                out.append(e)
-        return out
+        """get() of several objects at once (each read is a round trip on a bucket): the bytes or the exception, each."""
+        with ThreadPoolExecutor(16) as pool:
+            reads = [pool.submit(self.get, key) for key in keys]
+        return [read.exception() or read.result() for read in reads]
 
     def versioned(self, key: str) -> tuple[bytes | None, str | None]:
         """(the object or None, its version token: S3's ETag, elsewhere a hash of the bytes)."""
@@ -128,16 +121,13 @@ class Storage:
     @contextlib.contextmanager
     def locked(self):
         """The run's lock (flock on RUN/.lock), re-entrant, on a local disk or NFS; a no-op on a bucket."""
-        with self.mutex:
+        with self.mutex, contextlib.ExitStack() as held:
+            if self.local and self.depth == 0:  # the outermost holder locks the file; closing it releases the lock
+                os.makedirs(self.root, exist_ok=True)
+                fcntl.flock(held.enter_context(open(f"{self.root}/.lock", "a")), fcntl.LOCK_EX)
             self.depth += 1
             try:
-                if self.depth > 1 or not self.local:
-                    yield
-                    return
-                os.makedirs(self.root, exist_ok=True)
-                with open(f"{self.root}/.lock", "a") as f:  # closing it releases the lock
-                    fcntl.flock(f, fcntl.LOCK_EX)
-                    yield
+                yield
             finally:
                 self.depth -= 1
 
