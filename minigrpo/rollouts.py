@@ -5,7 +5,6 @@ trainer's Ledger of consumed groups, quarantine and garbage collection (README, 
 """
 import errno
 import hashlib
-import itertools
 import json
 import math
 import re
@@ -103,10 +102,6 @@ class Ledger:
         self.collect, self.consumed = set(state.get("collect") or []), set(state.get("consumed") or [])
         self.taken, self.skip = set(), self.collect | self.consumed
 
-    def take(self, group_id: str):
-        self.taken.add(group_id)
-        self.skip.add(group_id)
-
     def state(self) -> dict:
         """What the next checkpoint records; after it is complete, call advance()."""
         return {"collect": sorted(self.consumed), "consumed": sorted(self.taken)}  # the sets as advance() leaves them
@@ -142,15 +137,14 @@ class RolloutBuffer:
         self.order.update(dict.fromkeys(new))  # new ones join the end by sequence number; known ones keep their place
         groups = []
         while len(groups) < n and self.order:
-            batch = list(itertools.islice(self.order, n - len(groups)))  # the oldest, read together
+            batch = list(self.order)[:n - len(groups)]  # the oldest, read together
             for gid, data in zip(batch, self.storage.get_many([group_key(gid) for gid in batch])):
                 del self.order[gid]
                 ledger.skip.add(gid)  # read once, whatever comes of it
                 if isinstance(data, FileNotFoundError):  # a listing that lags a delete, or a bucket's "directory"
                     continue
-                unreadable = isinstance(data, OSError) and self.storage.local and data.errno == errno.EACCES
-                if isinstance(data, OSError) and not unreadable:  # the store failed, not the group
-                    raise OSError(f"cannot read {self.storage.url(group_key(gid))}: {data}") from data
+                if isinstance(data, OSError) and not (self.storage.local and data.errno == errno.EACCES):
+                    raise data  # the store failed, not the group (a local file this user cannot read is the group's)
                 try:
                     if isinstance(data, Exception):  # not a regular file, or one this user cannot read
                         raise data
@@ -160,7 +154,7 @@ class RolloutBuffer:
                     self.quarantine(gid, data, f"{type(e).__name__}: {e}", stats)
                     stats["attribution_mismatch"] = stats.get("attribution_mismatch", 0) + isinstance(e, AttributionError)
                     continue
-                ledger.take(gid)
+                ledger.taken.add(gid)
                 groups.append(group)
         return groups
 

@@ -108,10 +108,10 @@ def test_take_is_fifo_records_each_group_in_the_ledger_and_never_moves_a_file(st
 
 def test_the_ledger_deletes_only_what_two_checkpoints_cover():
     ledger = Ledger()
-    ledger.take("g-000000")
+    ledger.taken.add("g-000000")
     first = ledger.state()  # checkpoint 1: nothing to collect yet
     ledger.advance()
-    ledger.take("g-000001")
+    ledger.taken.add("g-000001")
     second = ledger.state()  # checkpoint 2: collect what checkpoint 1 consumed
     ledger.advance()
     assert first == {"collect": [], "consumed": ["g-000000"]} and ledger.collect == {"g-000000"}
