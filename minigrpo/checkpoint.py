@@ -40,17 +40,12 @@ def load_checkpoint(storage, model, optimizer, names: list[str] | None = None) -
     """Restore the newest intact checkpoint of `names` (None: of all in checkpoints/) into place: (trainer state or
     None, what was skipped and why)."""
     skipped = []
-    names = sorted(storage.list("checkpoints") if names is None else names)
-    for s in reversed([s for s in names if NAME.match(s)]):
-        try:
-            manifest = json.loads(storage.get(f"checkpoints/{s}/MANIFEST"))
-        except FileNotFoundError:
+    for s in sorted(filter(NAME.match, storage.list("checkpoints") if names is None else names), reverse=True):
+        if not storage.exists(f"checkpoints/{s}/MANIFEST"):  # written last: without it the checkpoint was cut short
             skipped.append(f"{s}: incomplete (no MANIFEST)")
             continue
-        except ValueError as e:
-            skipped.append(f"{s}: damaged (MANIFEST: {e})")
-            continue
         try:
+            manifest = json.loads(storage.get(f"checkpoints/{s}/MANIFEST"))
             files = {name: storage.get(f"checkpoints/{s}/{name}") for name in manifest}
             if bad := [name for name, data in files.items() if hashlib.sha256(data).hexdigest() != manifest[name]]:
                 raise ValueError(f"{', '.join(bad)} do not match the MANIFEST")
