@@ -48,14 +48,11 @@ class AdapterStore:
         return version
 
     def set_latest(self, version: int, keep: int):
-        """Point LATEST at a version (conditionally), then delete the weights of versions that left the window one
-        publish ago (a server may re-read an evicted adapter from its path)."""
-        try:
-            self.token = self.storage.swap("adapters/LATEST", self.name(version) + "\n",
-                                           self.token or self.storage.versioned("adapters/LATEST")[1])
-        except FileExistsError:
-            self.token = None  # read it again on the next try
-            raise
+        """Point LATEST at a version only if it still holds what this store last wrote there (after a refusal, and the
+        fence's look at the lease, whatever it holds now); then delete the weights of versions that left the window
+        one publish ago (a server may re-read an evicted adapter from its path)."""
+        token, self.token = self.token or self.storage.versioned("adapters/LATEST")[1], None  # None until it lands
+        self.token = self.storage.swap("adapters/LATEST", self.name(version) + "\n", token)
         old = range(max(0, version - keep - 1) if self.kept_from is None else self.kept_from, version - keep)
         self.storage.delete([f"adapters/{self.name(v)}/adapter_model.safetensors" for v in old])
         self.kept_from = max(old.start, version - keep)
