@@ -194,12 +194,10 @@ def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor], str]:
 
 
 def load_adapter(model: nn.Module, path: str) -> str:
-    """Load a PEFT adapter directory into a model that inject_lora() wrapped with the same shape; its digest."""
+    """Load a PEFT adapter directory into a model that inject_lora() wrapped, as a replica does: vLLM's checks, a
+    rank up to the layers' (zero-padded), its own scaling, the layers it leaves out off. Returns its digest."""
     config, state, digest = read_adapter(path)
     r, scaling = check_config(config)
-    layer = next(iter(lora_layers(model).values()))
-    if (layer.r, layer.scaling) != (r, scaling):
-        raise ValueError(f"adapter {path} has r={r}, scaling={scaling}; "
-                         f"the model was wrapped with r={layer.r}, scaling={layer.scaling}")
-    load_lora_state_dict(model, state)
+    check_adapter(model, state, r)
+    apply_adapter(model, state, r, scaling)
     return digest
