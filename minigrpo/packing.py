@@ -32,10 +32,8 @@ def micro_batches(samples, budget: int):
             cost = [len(s.ids) - (len(p) if p in held else 0) for held in prompts] + [len(s.ids)]  # + a new one
             tried = sorted(range(len(batches)), key=lambda i: p not in prompts[i])  # those holding p first
             i = next((i for i in tried if sizes[i] + cost[i] <= budget), len(batches))
-            if i == len(batches):
-                batches.append([])
-                sizes.append(0)
-                prompts.append(set())
+            if i == len(batches):  # none has room: a new one
+                batches, sizes, prompts = batches + [[]], sizes + [0], prompts + [set()]
             batches[i].append(s)
             sizes[i] += cost[i]
             prompts[i].add(p)
