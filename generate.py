@@ -148,7 +148,7 @@ def main():
             prompt_ids=prompt, completion_ids=[c.token_ids for c in group], behavior_logprobs=[c.logprobs for c in group],
             rewards=r, truncated=[c.finish_reason == "length" for c in group], policy_version=version,
             temperature=run.temperature, adapter_digest=group[0].adapter_digest, started_at=started,
-            finished_at=time.time()) for prompt, group, r in zip(prompts, completions, rewards)]
+            finished_at=time.time(), grader=task.grader) for prompt, group, r in zip(prompts, completions, rewards)]
         written += len(buffer.write(groups, writer, seq=written))
         made[version] += len(prompts)
         batch += 1

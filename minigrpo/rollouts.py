@@ -23,7 +23,7 @@ DTYPES = {"prompt_ids": INTS, "completion_ids": INTS, "completion_lens": INTS, "
           "rewards": (torch.float32,), "truncated": (torch.bool,)}
 FLAT, PADDED = ("prompt_ids", "rewards", "truncated"), ("completion_ids", "behavior_logprobs")  # Group's tensors
 META = {"policy_version": int, "temperature": float, "adapter_digest": str, "group_id": str, "generator_id": str,
-        "started_at": float, "finished_at": float}  # the Group fields kept as string metadata, and how to read each back
+        "started_at": float, "finished_at": float, "grader": str}  # the Group fields kept as string metadata
 
 
 @dataclass
@@ -41,6 +41,7 @@ class Group:
     generator_id: str = ""
     started_at: float = 0.0
     finished_at: float = 0.0
+    grader: str = ""  # the task's grader that scored the rewards (tasks.py)
 
 
 def to_tensors(group: Group) -> tuple[dict, dict]:
@@ -191,6 +192,8 @@ def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_o
         raise ValueError(f"group_size: the group has {G} completions, the run's is {run['group_size']}")
     if not math.isclose(group.temperature, run["temperature"], rel_tol=0, abs_tol=1e-6):
         raise ValueError(f"temperature: sampled at {group.temperature}, the run uses {run['temperature']}")
+    if run.get("grader") and group.grader != run["grader"]:  # rewards from another grader would mix in
+        raise ValueError(f"grader: scored by {group.grader or 'an unnamed grader'!r}, the run's is {run['grader']!r}")
     if group.policy_version > version:
         raise ValueError(f"policy_version {group.policy_version} is from the future (trainer at {version})")
     if not 1 <= len(group.prompt_ids) <= run["max_prompt_len"]:

@@ -1,9 +1,10 @@
 """The trainer's own checks: a policy that was not applied is loud, evaluation in chunks is evaluation in one batch,
-and float16 training is refused by name.
+float16 training is refused by name, and one grader scores a run.
 
     python -m pytest -q tests/test_trainer_checks.py
 """
 import shutil
+from functools import partial
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ from test_train_step import sequences
 from minigrpo.engine import TorchEngine
 from minigrpo.lora import inject_lora, lora_layers
 from minigrpo.model import load_model, stop_token_ids
-from minigrpo.rollouts import Group, RolloutBuffer, read_group
+from minigrpo.rollouts import Group, Ledger, RolloutBuffer, check_group, read_group
 from minigrpo.run import RunSettings, create_run, parse_config
 from minigrpo.storage import Storage
 from minigrpo.tasks import ReverseAddition
@@ -92,3 +93,15 @@ def test_a_generator_that_grades_otherwise_than_the_run_refuses_to_start(tmp_pat
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "grades with exact match, the run with math-verify 0.0" in out.stderr
     assert storage.list("rollouts") == []
+
+
+def test_a_group_scored_by_another_grader_is_quarantined_by_name(tmp_path):
+    storage, run = Storage(str(tmp_path / "run")), {"group_size": 2, "temperature": 1.0, "max_prompt_len": 8,
+                                                    "max_new_tokens": 4, "grader": "exact match"}
+    buffer, stats = RolloutBuffer(storage), {}
+    group = Group([1, 2], [[3], [4]], [[-0.5], [-0.7]], [1.0, 0.0], [False, False], 0, 1.0, grader="math-verify 0.0")
+    buffer.write([group, Group(**{**group.__dict__, "grader": "exact match"})], "g", seq=0)
+    taken = buffer.take(2, Ledger(), partial(check_group, run=run, vocab_size=16, version=0), stats)
+    assert [g.grader for g in taken] == ["exact match"] and stats["bad_total"] == 1
+    reason = storage.get("bad/g-000000.reason.txt").decode()
+    assert "grader: scored by 'math-verify 0.0', the run's is 'exact match'" in reason
