@@ -177,7 +177,7 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(tmp
                                                                 group.behavior_logprobs[0]))
                 near.append(gap(logp))
                 earlier = adapter.replace(f"-v{group.policy_version:06d}", f"-v{group.policy_version - 1:06d}")
-                if os.path.isdir(earlier):
+                if os.path.isfile(f"{earlier}/adapter_model.safetensors"):  # retention deletes weights, not names
                     load_adapter(model, earlier)
                     far.append(gap(sequence_logprobs(model, ids, torch.ones_like(ids), 1.0)[0]))
             # float32 rounding in a replica's batched decode stays under 5e-5 on this machine but reached 9e-4 on
