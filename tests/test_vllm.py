@@ -303,7 +303,8 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(rep
             group = read_group(storage.get(f"rollouts/{name}"), name.removesuffix(".safetensors"))
             adapter = f"{run_dir}/adapters/policy-{rid}-v{group.policy_version:06d}"
             earlier = f"{run_dir}/adapters/policy-{rid}-v{group.policy_version - 1:06d}"
-            if group.policy_version == 0 or not os.path.isdir(adapter) or not os.path.isdir(earlier):
+            weights = [f"{path}/adapter_model.safetensors" for path in (adapter, earlier)]  # retention keeps the names
+            if group.policy_version == 0 or not all(map(os.path.isfile, weights)):
                 continue
             ids = torch.tensor([group.prompt_ids + group.completion_ids[0]])
             for path, out in ((adapter, near), (earlier, far)):
