@@ -56,8 +56,7 @@ class AdapterStore:
         old = range(max(0, version - keep - 1) if self.kept_from is None else self.kept_from, version - keep)
         self.storage.delete([f"adapters/{self.name(v)}/adapter_model.safetensors" for v in old])
         self.kept_from = max(old.start, version - keep)
-        for v in old:
-            self.digests.pop(v, None)
+        self.digests = {v: digest for v, digest in self.digests.items() if v not in old}
 
     def digest(self, version: int) -> str:
         """The digest of a version's weights ("" if they are gone), computed once."""
