@@ -268,7 +268,7 @@ class Evaluator:
                 layer.lora_B.data.zero_()
         else:
             load_adapter(self.model, adapter)
-        return evaluate(self.engine, self.tokenizer, self.task, self.problems, self.run, seed)
+        return evaluate(self.engine, self.tokenizer, self.task, self.problems, self.run, seed, len(self.problems))
 
 
 def mean_sd(xs) -> str:
