@@ -48,7 +48,6 @@ import glob
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -56,7 +55,7 @@ import tempfile
 import threading
 import time
 
-from common import ROOT, report
+from common import ROOT, report, stop_all
 
 
 def bench_env() -> dict:
@@ -111,12 +110,7 @@ def run_one(rank: int, seed: int, args, out: str) -> dict:
             raise SystemExit(f"r={rank} seed {seed}: train.py failed:\n{tail(os.path.join(out, 'train.log'))}")
         procs[1].wait(timeout=60)  # it stops when it sees DONE
     finally:
-        for p in procs:  # each in a session of its own: end exactly these two
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        for log in logs:
-            log.close()
+        stop_all(procs, logs)
     wall = time.time() - t_start
 
     by_step = latest_per_step(read_records(Storage(run_dir), "train"))

@@ -1,6 +1,7 @@
 """Shared by the benchmarks: timing, a printed table, and a JSON file under bench/results/."""
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -51,3 +52,14 @@ def report(name: str, rows: list[dict], notes: str = "", extra: dict | None = No
     with open(path, "w") as f:
         json.dump({"rows": rows, "notes": notes, **(extra or {}), "time": time.time()}, f, indent=2)
     return path
+
+
+def stop_all(procs, logs):
+    """Kill what is still running of a run's processes (each started in a session of its own, so that this ends
+    exactly them and their children) and close their logs."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    for log in logs:
+        log.close()

@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from common import ROOT, report
+from common import ROOT, report, stop_all
 
 ARMS = {  # TRL settings beyond the matched ones; None: minigrpo
     "minigrpo": None,
@@ -209,12 +208,7 @@ def run_minigrpo(seed, args, out) -> dict:
                                  f"{tail(out, 'generate.log')}")
             adapters[t], steps[t] = copy_latest(run_dir, os.path.join(out, f"t{t:g}"))
     finally:
-        for p in procs:  # each in a session of its own: end exactly these two
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        for log in logs:
-            log.close()
+        stop_all(procs, logs)
     shutil.rmtree(run_dir, ignore_errors=True)
     return {"adapters": adapters, "steps": steps}
 
