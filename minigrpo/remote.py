@@ -66,7 +66,7 @@ class HttpEngine:
                 if self.loop.run_until_complete(self._call("GET", "/health"))[0] == 200:
                     return
             print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
-            time.sleep(1.0)
+            time.sleep(5.0)  # a server that answers at once, but not 200, is said every 5 s, not in a tight loop
         raise ServerError(f"no healthy server at {self.url} after {timeout_s:.0f}s (is it running? right --url?)")
 
     async def _load(self, name: str, path: str):
