@@ -183,34 +183,49 @@ def run_trl(arm, seed, args, out) -> dict:
 
 
 def run_minigrpo(seed, args, out) -> dict:
-    """generate.py + train.py on a fresh run directory; adapters copied at each point; both killed at the budget."""
+    """generate.py + train.py on a fresh run directory; adapters copied at each point in time (and, with --at_steps,
+    when the published version first reaches each step count); both processes killed at the budget."""
     run_dir = os.path.join(out, "run")
     common = ["--run_dir", run_dir, "--seed", str(seed), "--device", "cpu"]
     common += args.run_flags.split()  # run settings: both scripts must agree on them
     train = [sys.executable, "train.py", *common, "--max_steps", "10000000",  # the wall clock stops it
              "--eval_every", "1000000000", "--eval_size", "1", *args.train_flags.split()]  # evaluated outside the budget
-    gen = [sys.executable, "generate.py", *common, "--generator_id", "g"]
+    gen = [sys.executable, "generate.py", *common, "--generator_id", "g", *args.gen_flags.split()]
     logs = [open(os.path.join(out, name), "w") for name in ("train.log", "generate.log")]
     env = bench_env(1)
     procs = [subprocess.Popen(c, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
              for c, log in zip((train, gen), logs)]
     latest = os.path.join(run_dir, "adapters", "LATEST")
+    times, steps_due = list(args.point_list), list(args.step_list)
     try:
         while not os.path.exists(latest):  # version 0 is out: the generator may start, the trainer is ready
             if any(p.poll() is not None for p in procs):
                 raise SystemExit(f"minigrpo seed {seed} stopped before it published version 0:\n{tail(out, 'train.log')}")
             time.sleep(0.005)
         t0, adapters, steps = time.time(), {}, {}
-        for t in args.point_list:
-            time.sleep(max(0.0, t0 + t - time.time()))
+        while times:
             if any(p.poll() is not None for p in procs):
-                raise SystemExit(f"minigrpo seed {seed} died before {t:g} s:\n{tail(out, 'train.log')}\n"
+                raise SystemExit(f"minigrpo seed {seed} died before {times[0]:g} s:\n{tail(out, 'train.log')}\n"
                                  f"{tail(out, 'generate.log')}")
-            adapters[t], steps[t] = copy_latest(run_dir, os.path.join(out, f"t{t:g}"))
+            if time.time() >= t0 + times[0]:
+                t = times.pop(0)
+                adapters[t], steps[t] = copy_latest(run_dir, os.path.join(out, f"t{t:g}"))
+            elif steps_due and latest_version(run_dir) >= steps_due[0]:
+                k = steps_due.pop(0)
+                adapters[f"step{k}"], steps[f"step{k}"] = copy_latest(run_dir, os.path.join(out, f"step{k}"))
+            else:
+                time.sleep(0.005)
     finally:
         stop_all(procs, logs)
     shutil.rmtree(run_dir, ignore_errors=True)
     return {"adapters": adapters, "steps": steps}
+
+
+def latest_version(run_dir) -> int:
+    try:
+        return int(open(os.path.join(run_dir, "adapters", "LATEST")).read().strip().rsplit("-v", 1)[1])
+    except (FileNotFoundError, IndexError, ValueError):  # being replaced
+        return -1
 
 
 def copy_latest(run_dir, dest):
@@ -239,7 +254,7 @@ def tail(out, name, n=30):
 class Evaluator:
     """train.py's evaluate on minigrpo's engine: the same held-out problems, T=1, seed * 1_000_003 + i per problem."""
 
-    def __init__(self, eval_size: int, threads: int):
+    def __init__(self, eval_size: int, threads: int, split: str = "test"):
         import torch
 
         from minigrpo.engine import TorchEngine
@@ -252,7 +267,12 @@ class Evaluator:
         inject_lora(self.model, self.run.lora_r, self.run.lora_alpha, self.run.lora_targets)  # B = 0: the base model
         self.engine = TorchEngine(self.model, stop_token_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id)
         self.task = ReverseAddition()
-        self.problems = self.task.eval_problems(eval_size)
+        # test: the first eval_size held-out problems, the ones train.py reports. val: the held-out problems after
+        # them (400 of the 810 with eval_size 400), for tuning a recipe without looking at the test answers
+        self.problems = (self.task.eval_problems(eval_size) if split == "test" else
+                         [self.task.problem(a, b) for a, b in self.task.eval_pairs[-eval_size:]])
+        if split == "val" and eval_size > len(self.task.eval_pairs) // 2:
+            raise SystemExit(f"--split val holds {len(self.task.eval_pairs) // 2} problems, not {eval_size}")
 
     def __call__(self, adapter: str | None, seed: int) -> float:
         from minigrpo.lora import load_adapter, lora_layers
@@ -279,8 +299,15 @@ def main():
     p.add_argument("--trl_threads", type=int, default=1, help="torch threads of TRL's one process (minigrpo runs two "
                    "processes of one thread each); see the docstring")
     p.add_argument("--train_flags", default="", help="extra train.py flags for the minigrpo arm, e.g. '--lr 6e-3'")
+    p.add_argument("--gen_flags", default="", help="extra generate.py flags for the minigrpo arm, e.g. '--max_ready 128'")
     p.add_argument("--run_flags", default="", help="extra run settings for both minigrpo scripts, e.g. "
                    "'--group_size 16' (the TRL arms keep the matched settings)")
+    p.add_argument("--split", default="test", choices=["test", "val"], help="evaluate on the reported held-out "
+                   "problems (test), or on the other held-out problems (val: for tuning the recipe)")
+    p.add_argument("--at_steps", default="", help="minigrpo only: also evaluate the adapter of these steps, e.g. "
+                   "'250,500' (a per-step view of the same runs; a step not reached in the budget is left out)")
+    p.add_argument("--name", default="", help="results file bench/results/NAME.json (default: compare_trl, or "
+                   "compare_trl_val with --split val)")
     p.add_argument("--work_dir", default="", help="keep each arm's logs and adapters here (default: a temp folder)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--arm", default="", help=argparse.SUPPRESS)
@@ -295,11 +322,12 @@ def main():
         raise SystemExit(f"unknown arms {unknown}; choose from {list(ARMS)}")
     args.point_list = sorted({float(x) for x in args.points.split(",")} if args.points else
                              {round(args.budget_s * k / 5, 3) for k in range(1, 6)})
+    args.step_list = sorted(int(x) for x in args.at_steps.split(",") if x)
     if args.point_list[-1] != args.budget_s:
         raise SystemExit(f"--points must end at the budget ({args.budget_s:g} s)")
     work = args.work_dir or tempfile.mkdtemp(prefix="compare-trl-")
     os.environ.update(bench_env(1))
-    evaluator = Evaluator(args.eval_size, threads=1)
+    evaluator = Evaluator(args.eval_size, threads=1, split=args.split)
 
     runs = []  # one per arm and seed
     for seed in range(args.seeds):  # arms take turns within a seed, so that slow spells of the machine hit all alike
@@ -311,9 +339,9 @@ def main():
             t = time.time()
             result = run_minigrpo(seed, args, out) if arm == "minigrpo" else run_trl(arm, seed, args, out)
             wall = time.time() - t
-            acc = {f"{t:g}": evaluator(path, seed) for t, path in result["adapters"].items()}
+            acc = {t if isinstance(t, str) else f"{t:g}": evaluator(path, seed) for t, path in result["adapters"].items()}
             runs.append({"arm": arm, "seed": seed, "pass@1_base": base, "pass@1": acc,
-                         "steps": {f"{t:g}": s for t, s in result["steps"].items()},
+                         "steps": {t if isinstance(t, str) else f"{t:g}": s for t, s in result["steps"].items()},
                          "steps_per_s": result["steps"][args.budget_s] / args.budget_s, "wall_s": wall})
             print(f"{arm} seed {seed}: steps {runs[-1]['steps']} | pass@1 {acc} (base {base:.3f}) | "
                   f"{wall:.0f} s with start-up", flush=True)
@@ -323,19 +351,22 @@ def main():
         mine = [r for r in runs if r["arm"] == arm]
         row = {"arm": arm, "seeds": len(mine), "base": mean_sd([r["pass@1_base"] for r in mine])}
         row |= {f"{t:g}s": mean_sd([r["pass@1"][f"{t:g}"] for r in mine]) for t in args.point_list}
+        row |= {f"step{k}": mean_sd(got) for k in args.step_list
+                if (got := [r["pass@1"][f"step{k}"] for r in mine if f"step{k}" in r["pass@1"]])}
         row |= {"steps/s": mean_sd([r["steps_per_s"] for r in mine]),
                 "steps": mean_sd([float(r["steps"][f"{args.budget_s:g}"]) for r in mine])}
         rows.append(row)
-    notes = (f"held-out pass@1 (first {args.eval_size} held-out problems, T=1, mean ± sd over seeds "
+    which = "first" if args.split == "test" else "last (--split val)"
+    notes = (f"held-out pass@1 ({which} {args.eval_size} held-out problems, T=1, mean ± sd over seeds "
              f"{', '.join(map(str, range(args.seeds)))}) of the newest adapter complete at each second of training "
              f"since the arm's start; base: the shipped model; steps/s: optimizer steps of "
              f"{matched().completions_per_step} completions done in "
              f"the {args.budget_s:g} s budget / budget." + (f" Logs and adapters: {work}" if args.work_dir else ""))
     import peft, torch, transformers, trl
-    settings = {k: getattr(args, k) for k in ("budget_s", "point_list", "seeds", "arms", "eval_size", "trl_threads",
-                                              "train_flags", "run_flags")}
+    settings = {k: getattr(args, k) for k in ("budget_s", "point_list", "step_list", "seeds", "arms", "eval_size",
+                                              "split", "trl_threads", "train_flags", "gen_flags", "run_flags")}
     versions = {m.__name__: m.__version__ for m in (trl, peft, transformers, torch)}
-    report("compare_trl", rows, notes, extra={"settings": settings, "versions": versions, "runs": runs})
+    report(args.name or ("compare_trl" if args.split == "test" else "compare_trl_val"), rows, notes, extra={"settings": settings, "versions": versions, "runs": runs})
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
 
