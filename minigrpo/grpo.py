@@ -27,8 +27,6 @@ def advantages(rewards: torch.Tensor, G: int, scale_rewards: bool = True, eps: f
     """rewards (N*G,) in group order -> advantages (N*G,). Zero-std groups get exactly 0, never NaN."""
     if G < 2:
         raise ValueError(f"GRPO needs at least 2 completions per group, got G={G}")
-    if rewards.numel() % G:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of G={G}")
     r = rewards.float().view(-1, G)  # (N, G)
     adv = r - r.mean(1, keepdim=True)  # (N, G)
     if scale_rewards:
@@ -75,8 +73,7 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
     mask = batch.mask.to(logp.dtype)
     behav_logp, adv = batch.behav.detach(), batch.adv.detach()
     old_logp = behav_logp if batch.old is None else batch.old.detach()
-    log_ratio = (logp - old_logp) * mask  # (B, T); 0 on padding so exp() stays finite
-    ratio = torch.exp(log_ratio)  # (B, T)
+    ratio = torch.exp((logp - old_logp) * mask)  # (B, T); its log is 0 on padding, so it stays finite
     A = adv[:, None].to(logp.dtype)  # (B, 1)
     surrogate = torch.min(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)  # (B, T)
     w = torch.ones_like(logp)
@@ -129,6 +126,5 @@ def combine_metrics(parts: list[dict]) -> dict:
             out[key] = (min if key.endswith("/min") else max)(values)
         elif key != "tokens":
             out[key] = sum(v * p["tokens"] for v, p in zip(values, parts)) / max(out["tokens"], 1)
-    if "health/v_mean" in out:  # ESS / N = mean(v)^2 / mean(v^2), from the token-weighted means of all parts
-        out["health/ess_frac"] = out["health/v_mean"] ** 2 / max(out.pop("health/v_sq_mean"), 1e-30)
+    out["health/ess_frac"] = out["health/v_mean"] ** 2 / max(out.pop("health/v_sq_mean"), 1e-30)  # ESS / N, all parts
     return out
