@@ -128,7 +128,7 @@ def policy_mismatches(groups, samples, version, world, tol) -> list:
 
 def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
     """Forward/backward over packed micro-batches with the whole batch's normaliser, then one AdamW step.
-    Data-parallel: each rank takes every world-th sample; reduce() sums the gradients across ranks."""
+    Data-parallel: each rank takes every world-th sample, and the ranks sum their gradients before the step."""
     num_tokens = sum(len(s.behav) for s in samples)  # of the whole batch, on every rank
     mbs = micro_batches(samples[rank::world], cfg.micro_batch_tokens)
     parts, loss_sum = [], 0.0
@@ -151,7 +151,14 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
         loss_sum += loss.item()
     model.eval()  # and the engine needs eval mode for its KV cache
     params = [p for p in model.parameters() if p.requires_grad]
-    parts, loss_sum = reduce(params, parts, loss_sum, world)
+    if world > 1:  # every rank ends with the whole batch's gradient and metrics, so every optimizer takes the same step
+        for p in params:
+            if p.grad is None:  # this rank's share was empty
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (parts, loss_sum))
+        parts, loss_sum = [m for g in gathered for m in g[0]], sum(g[1] for g in gathered)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -187,19 +194,6 @@ def share(obj, group):
     return box[0]
 
 
-def reduce(params, parts: list[dict], loss_sum: float, world: int):
-    """Every rank ends with the whole batch's gradient and metrics, so every optimizer takes the same step."""
-    if world == 1:
-        return parts, loss_sum
-    for p in params:
-        if p.grad is None:  # this rank's share was empty
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, (parts, loss_sum))
-    return [m for g in gathered for m in g[0]], sum(g[1] for g in gathered)
-
-
 def evaluate(engine, tokenizer, task, problems, run, seed, batch_size) -> float:
     """pass@1 at the run's temperature on a fixed held-out set, batch_size problems at a time: problem i has its own
     seed, the same draws at every evaluation and in any batch, so successive evaluations differ only by the weights."""
@@ -223,11 +217,10 @@ def publish(store, lease, model, version, config, run, step) -> tuple[int, float
 
 def check_settings(saved: dict, cfg) -> list[str]:
     """Training settings a resume must keep (the math of the run); the others may change freely."""
-    free = {"run_dir", "max_steps", "save_every", "eval_every", "eval_size", "micro_batch_tokens", "device",
-            "threads", "wait_timeout_s", "lease_timeout_s", "allow_new_settings", "gradient_checkpointing",
-            "eval_batch_size", "policy_check_tol", "collective_timeout_s", "report_to", "tracker_project"}
+    kept = {"loss_type", "eps_low", "eps_high", "beta", "tis_cap", "groups_per_step", "lr", "weight_decay",
+            "max_grad_norm", "old_logp", "sync_every", "seed", "dtype"}
     return [f"{k}: the checkpoint has {saved[k]!r}, this command has {v!r}" for k, v in asdict(cfg).items()
-            if k not in free and k in saved and saved[k] != v]
+            if k in kept and k in saved and saved[k] != v]
 
 
 def resume(storage, model, optimizer, cfg, committed) -> dict | None:
@@ -246,18 +239,6 @@ def resume(storage, model, optimizer, cfg, committed) -> dict | None:
                          "\nuse the same flags, or pass --allow_new_settings true to change them on purpose")
     print(f"resumed from {storage.url('checkpoints/' + state['name'])} (step {state['step']})", flush=True)
     return state
-
-
-def step_record(step, version, groups, staleness, rewards, lengths, m, stats, run) -> dict:
-    """What the step learned from: one JSON record in RUN/metrics/train-*.jsonl (main() adds the timings)."""
-    return {"step": step, "version": version, "loss": m["loss"], "reward/mean": rewards.mean().item(),
-            "reward/std": rewards.std().item(),
-            "frac_reward_zero_std": zero_std_groups(rewards, run.group_size).float().mean().item(),
-            "completions/mean_length": lengths.float().mean().item(),
-            "completions/truncated_frac": sum(t for g in groups for t in g.truncated) / len(lengths),
-            **{k: v for k, v in m.items() if k != "tokens"},
-            "sample/staleness_mean": sum(staleness) / len(staleness), "sample/staleness_max": max(staleness),
-            **{f"sample/{k}": v for k, v in stats.items()}, "group_ids": [g.group_id for g in groups]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -332,10 +313,16 @@ def main():
         stats["policy_mismatch_total"] = stats.get("policy_mismatch_total", 0) + len(unapplied)
         exact = step % cfg.sync_every == 0  # the weights will be exactly the version published next
         if exact:
-            version += 1
-            version, sync_s = publish(store, lease, model, version, peft_config, run, step)
+            version, sync_s = publish(store, lease, model, version + 1, peft_config, run, step)
         # the record's version is the one this step just published; staleness was measured before it
-        record = step_record(step, version, groups, staleness, rewards, lengths, m, stats, run)
+        record = {"step": step, "version": version, "loss": m["loss"], "reward/mean": rewards.mean().item(),
+                  "reward/std": rewards.std().item(),
+                  "frac_reward_zero_std": zero_std_groups(rewards, run.group_size).float().mean().item(),
+                  "completions/mean_length": lengths.float().mean().item(),
+                  "completions/truncated_frac": sum(t for g in groups for t in g.truncated) / len(lengths),
+                  **{k: v for k, v in m.items() if k != "tokens"},
+                  "sample/staleness_mean": sum(staleness) / len(staleness), "sample/staleness_max": max(staleness),
+                  **{f"sample/{k}": v for k, v in stats.items()}, "group_ids": [g.group_id for g in groups]}
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             record["eval/accuracy"] = evaluate_now()
         record |= {"sample/policy_mismatch": len(unapplied), "sample/rollout_queue_size": len(buffer.order),
