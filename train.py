@@ -316,9 +316,8 @@ def main():
             version, sync_s = publish(store, lease, model, version + 1, peft_config, run, step)
         # the record's version is the one this step just published; staleness was measured before it
         record = {"step": step, "version": version, "loss": m["loss"], "reward/mean": rewards.mean().item(),
-                  "reward/std": rewards.std().item(),
+                  "reward/std": rewards.std().item(), "completions/mean_length": lengths.float().mean().item(),
                   "frac_reward_zero_std": zero_std_groups(rewards, run.group_size).float().mean().item(),
-                  "completions/mean_length": lengths.float().mean().item(),
                   "completions/truncated_frac": sum(t for g in groups for t in g.truncated) / len(lengths),
                   **{k: v for k, v in m.items() if k != "tokens"},
                   "sample/staleness_mean": sum(staleness) / len(staleness), "sample/staleness_max": max(staleness),

@@ -37,8 +37,7 @@ def prune_checkpoints(storage, keep: list[str]):
 
 
 def load_checkpoint(storage, model, optimizer, names: list[str] | None = None) -> tuple[dict | None, list[str]]:
-    """Restore the newest intact checkpoint of `names` (None: of all in checkpoints/) into place: (trainer state or
-    None, what was skipped and why)."""
+    """Load the newest intact checkpoint of `names` (None: all): (trainer state or None, what was skipped and why)."""
     skipped = []
     for s in sorted(filter(NAME.match, storage.list("checkpoints") if names is None else names), reverse=True):
         if not storage.exists(f"checkpoints/{s}/MANIFEST"):  # written last: without it the checkpoint was cut short

@@ -19,10 +19,9 @@ class Sample:
 
 
 def micro_batches(samples, budget: int):
-    """First-fit decreasing, prompt by prompt (the one with the most tokens first) and each prompt's samples longest
-    first: each sample goes into the first micro-batch with room, trying first those that hold its prompt, where it
-    costs only its completion (collate puts a prompt in a row once). A micro-batch holds at most `budget` tokens (a
-    longer sample gets one of its own). Nothing is padded."""
+    """First-fit decreasing, prompt by prompt (most tokens first) and each prompt's samples longest first: each
+    sample goes into the first micro-batch with room, trying first those that hold its prompt, where it costs only
+    its completion (collate puts a prompt in a row once). At most `budget` tokens each; a longer sample gets its own."""
     groups = {}  # prompt -> its samples, longest first
     for s in sorted(samples, key=lambda s: -len(s.ids)):
         groups.setdefault(tuple(s.ids[:s.prompt_len]), []).append(s)
