@@ -187,10 +187,9 @@ def distributed(device: str, timeout_s: float):
 
 def share(obj, group):
     """Rank 0's object on every rank (the batch of samples: kilobytes to megabytes of token ids)."""
-    if group is None:
-        return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
+    if group is not None:
+        dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
