@@ -175,9 +175,7 @@ def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor], str]:
     it: FileNotFoundError without adapter_config.json, ValueError for anything else wrong with it."""
     path = path.rstrip("/")
     try:
-        config = json.loads(read_bytes(f"{path}/adapter_config.json"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no adapter found in {path}: adapter_config.json is missing") from None
+        config = json.loads(read_bytes(f"{path}/adapter_config.json"))  # a FileNotFoundError names the file itself
     except ValueError as e:
         raise ValueError(f"{path}/adapter_config.json is not valid JSON: {e}") from None
     if not isinstance(config, dict):

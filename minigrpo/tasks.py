@@ -106,8 +106,7 @@ def prompt_ids(tokenizer, text: str, system_prompt: str = "") -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         return tokenizer(text)["input_ids"]
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": text}]
-    templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(templated, add_special_tokens=False)["input_ids"]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
 
 
 def score(task, tokenizer, problems: list[Problem], completions) -> list[list[float]]:
