@@ -1,18 +1,17 @@
 """The run: the settings every process must agree on (RUN/run.json), the trainer's lease (RUN/owner.json), the
 metrics records (RUN/metrics/) and the fault points the crash tests use. All of it goes through storage.py.
 """
+import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import re
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from transformers import HfArgumentParser
 
@@ -45,7 +44,7 @@ class RunSettings:
 
 # Recipes as flags (README, "Real models"). Each script applies the flags its own config has; later flags win.
 PRESETS = {"qwen-math-1.5b": dict(  # the blog's run: Dr. GRPO with truncated IS at 2 (the oat / "off-policy RL" recipe)
-    model="Qwen/Qwen2.5-Math-1.5B", task="math", lora_r=1, lora_alpha=2, group_size=8, max_new_tokens=3000,
+    model="Qwen/Qwen2.5-Math-1.5B", task="math", lora_r=1, lora_alpha=2.0, group_size=8, max_new_tokens=3000,
     temperature=1.0, lr=4e-5, groups_per_step=16, max_staleness=4, sync_every=4, loss_type="dr_grpo",
     old_logp="recompute", tis_cap=2.0, dtype="bfloat16", micro_batch_tokens=16384, eval_every=50, eval_size=500,
     max_steps=500)}
@@ -54,17 +53,13 @@ PRESETS["r1-distill-1.5b"] = PRESETS["qwen-math-1.5b"] | dict(  # the same for a
 
 
 def parse_config(*types, argv=None):
-    """HfArgumentParser over the dataclasses, after expanding --preset NAME into the flags these dataclasses know."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--preset" in argv:
-        i = argv.index("--preset")
-        name = argv[i + 1] if i + 1 < len(argv) else ""
-        if name not in PRESETS:
-            raise SystemExit(f"--preset must be one of {sorted(PRESETS)}, got {name!r}")
-        known = {f.name for t in types for f in dataclasses.fields(t)}
-        flags = [x for k, v in PRESETS[name].items() if k in known for x in (f"--{k}", str(v))]
-        argv = flags + argv[:i] + argv[i + 2:]  # flags given on the command line come later, and win
+    """HfArgumentParser over the dataclasses; --preset NAME makes the recipe's values the defaults, so flags win."""
+    preset = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    preset.add_argument("--preset", choices=sorted(PRESETS))
+    chosen, argv = preset.parse_known_args(argv)
     parser = HfArgumentParser(types, epilog=f"--preset NAME applies a recipe first: {', '.join(sorted(PRESETS))}")
+    known = {f.name for t in types for f in fields(t)}
+    parser.set_defaults(**{k: v for k, v in PRESETS.get(chosen.preset, {}).items() if k in known})
     return parser.parse_args_into_dataclasses(argv)
 
 
@@ -87,23 +82,13 @@ def fault(point: str, step: int):
                 os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def read_json(storage, key: str):
-    """A small JSON object, or None if absent; a damaged one is one clear line, not a traceback."""
-    try:
-        return json.loads(storage.get(key))
-    except FileNotFoundError:
-        return None
-    except ValueError as e:
-        raise SystemExit(f"{storage.url(key)} is damaged (not valid JSON: {e}): restore it or change --run_dir") from e
-
-
 def create_run(storage, settings: RunSettings, grader: str = "") -> dict:
     """Write run.json if it is absent (with the grader every group must be scored by), then join it."""
-    if read_json(storage, "run.json") is None:
+    if not storage.exists("run.json"):
         if storage.list("adapters") or storage.list("checkpoints"):
             raise SystemExit(f"{storage.url('run.json')} is missing but the run has adapters or checkpoints: "
                              f"restore run.json, or start a new run with another --run_dir.")
-        run = dataclasses.asdict(settings) | {"run_id": uuid.uuid4().hex[:8], "created": time.time(), "grader": grader}
+        run = asdict(settings) | {"run_id": uuid.uuid4().hex[:8], "created": time.time(), "grader": grader}
         storage.put("run.json", json.dumps(run, indent=2))
     return join_run(storage, settings)
 
@@ -111,13 +96,18 @@ def create_run(storage, settings: RunSettings, grader: str = "") -> dict:
 def join_run(storage, settings: RunSettings, timeout_s: float = 600.0) -> dict:
     """Wait for the trainer to create run.json, then check that it has this process's settings. Returns it."""
     t0 = time.time()
-    while (theirs := read_json(storage, "run.json")) is None:
+    while not storage.exists("run.json"):
         if time.time() - t0 > timeout_s:
             raise SystemExit(f"no {storage.url('run.json')} after {timeout_s:.0f}s: is train.py running with "
                              f"this --run_dir? (the trainer creates the run)")
         time.sleep(storage.poll_s)
+    try:
+        theirs = json.loads(storage.get("run.json"))
+    except ValueError as e:  # a damaged run.json is one clear line, not a traceback
+        raise SystemExit(f"{storage.url('run.json')} is damaged (not valid JSON: {e}): restore it or change "
+                         f"--run_dir") from e
     diff = [f"{k}: run.json has {theirs.get(k)!r}, this process has {v!r}"
-            for k, v in dataclasses.asdict(settings).items() if theirs.get(k) != v]
+            for k, v in asdict(settings).items() if theirs.get(k) != v]
     if diff:
         raise SystemExit(f"{storage.url('run.json')} was written with other settings; start this process with the "
                          f"same ones (or use another --run_dir):\n  " + "\n  ".join(diff))
@@ -168,9 +158,6 @@ class Watch:
         return time.monotonic() - self.since
 
 
-EPOCH = re.compile(r"^train-e(\d+)-")  # a trainer life's metrics segments carry its epoch
-
-
 class Lease:
     """owner.json, the trainer's lease and fencing token (README, "The run directory"): each life takes a higher
     epoch, bumps `beat` every timeout_s / 6, and writes owner.json only if it is still its own last write."""
@@ -192,7 +179,8 @@ class Lease:
                                  f"pid {theirs['pid']}, epoch {theirs['epoch']}): its heartbeat moved within "
                                  f"{time.monotonic() - watch.since:.0f}s. One trainer per run: stop it, or start this "
                                  f"one once the lease stays unchanged for {self.timeout_s:.0f}s (--lease_timeout_s).")
-        epochs = [int(m[1]) for m in map(EPOCH.match, self.storage.list("metrics")) if m]  # should owner.json be garbage
+        # each life's metrics segments carry its epoch, should owner.json be garbage
+        epochs = [int(m[1]) for name in self.storage.list("metrics") if (m := re.match(r"train-e(\d+)-", name))]
         self.info |= {"epoch": max([theirs["epoch"], *epochs]) + 1,  # a new run has committed no checkpoint
                       "checkpoints": theirs["checkpoints"] if raw is not None or epochs else []}
         self.write()
@@ -235,12 +223,9 @@ class Lease:
             with contextlib.suppress(OSError):  # a full disk or a refused bucket: the main thread meets it too
                 self.write()
 
-    def stop_beating(self):
+    def release(self):
         self.stop.set()
         self.beat.join()
-
-    def release(self):
-        self.stop_beating()
         self.fenced(self.storage.delete, "owner.json")
 
 
