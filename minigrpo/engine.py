@@ -11,7 +11,6 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 
 from minigrpo.lora import load_adapter
@@ -25,7 +24,6 @@ class SamplingParams:
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0  # keep the fewest best tokens whose probability reaches top_p; 1 (off) for training
     seed: int | None = None  # None: the engine's own generator
-    stop_token_ids: tuple = ()  # stop on these as well as on the model's EOS ids
 
 
 @dataclass
@@ -42,17 +40,13 @@ def per_row(rows, field: str, device, dtype=torch.float32) -> torch.Tensor:  # (
 
 class Sampler:
     """One batch's rules (rows: (prompt, params, sample index)): the log-probs above, top_p renormalised; a row ends at
-    its first stop id (its own or EOS). The replica server's subclass (serve_sampling.py) extends these methods."""
+    its first stop id (the model's EOS). The replica server's subclass (serve_sampling.py) extends these methods."""
 
     def __init__(self, rows, eos: list[int], device):
         t = per_row(rows, "temperature", device)[:, None]  # (B, 1)
         self.temperature = torch.where(t > 0, t, 1.0)  # greedy rows report log_softmax(logits), as vLLM does
         self.top_p = per_row(rows, "top_p", device)[:, None] if any(sp.top_p < 1 for _, sp, _ in rows) else None
-        ids = [torch.tensor(self.stop_ids(sp, eos), dtype=torch.long) for _, sp, _ in rows]
-        self.stops = pad_sequence(ids, True, -1).to(device)  # (B, S), -1 pads
-
-    def stop_ids(self, sp, eos: list[int]) -> list[int]:
-        return list(sp.stop_token_ids) + eos
+        self.stops = torch.tensor(eos, dtype=torch.long, device=device)  # (S,) the same for every row
 
     def __call__(self, logits: torch.Tensor, t: int) -> torch.Tensor:  # (B, V) raw logits -> (B, V) log-probs
         return self.nucleus(torch.log_softmax(logits / self.temperature, -1))

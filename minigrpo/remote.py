@@ -89,8 +89,8 @@ class HttpEngine:
     async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
         name, path = self.loaded[self.version]
         body = {"model": name, "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
-                "top_p": sp.top_p, "top_k": 0, "logprobs": 0, "stop_token_ids": list(sp.stop_token_ids),
-                "return_token_ids": True, "seed": sp.seed}  # seed None: the server samples from its own generator
+                "top_p": sp.top_p, "top_k": 0, "logprobs": 0, "return_token_ids": True,
+                "seed": sp.seed}  # None: the server samples from its own generator
         async with self.inflight:
             status, text = await self._call("POST", "/v1/completions", body)
             if status == 404 and "does not exist" in text:  # a replica restarted and forgot the adapter
@@ -138,8 +138,7 @@ class VllmEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         import vllm
         sp = vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=0,
-                                 max_tokens=params.max_tokens, logprobs=0, seed=params.seed,
-                                 stop_token_ids=list(params.stop_token_ids))
+                                 max_tokens=params.max_tokens, logprobs=0, seed=params.seed)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
                                     lora_request=self.requests[self.version], use_tqdm=False)
         return [[Completion(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)],

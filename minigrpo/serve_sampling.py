@@ -1,5 +1,5 @@
 """The replica server's sampling: vLLM's sampling parameters beyond the core engine's temperature, top_p, seed and
-stop ids, as a subclass of engine.Sampler. In vLLM's order (vllm/model_executor/layers/utils.py apply_penalties,
+EOS, as a subclass of engine.Sampler. In vLLM's order (vllm/model_executor/layers/utils.py apply_penalties,
 vllm/v1/sample/logits_processor/builtin.py, vllm/v1/engine/detokenizer.py check_stop_strings), each step built only
 when some row of the batch uses it:
     logits += logit_bias
@@ -12,12 +12,14 @@ Past min_tokens, a stop string in the new text ends the row (its tokens kept) an
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from minigrpo.engine import Completion, Sampler, SamplingParams, TorchEngine, per_row
 
 
 @dataclass
 class ServerParams(SamplingParams):
+    stop_token_ids: tuple = ()  # stop on these as well as on the model's EOS ids
     logprobs: int = 0  # also return this many top alternatives per token (the sampled token is always scored)
     stop: tuple = ()  # stop strings
     ignore_eos: bool = False  # keep going past the model's EOS ids
@@ -40,6 +42,8 @@ class VllmSampler(Sampler):
     def __init__(self, rows, ids, mask, eos: list[int], decode, V: int, device):  # ids, mask (B, L): the prompts
         super().__init__(rows, eos, device)
         B, column = len(rows), lambda field: per_row(rows, field, device)[:, None]  # (B, 1)
+        stop_ids = [torch.tensor(list(sp.stop_token_ids) + ([] if sp.ignore_eos else eos)).long() for _, sp, _ in rows]
+        self.stops = pad_sequence(stop_ids, True, V).to(device)  # (B, S) each row's stops, padded with V: not a token
         self.rows, self.eos, self.bias, self.min_tokens, self.penalties, self.min_p = rows, eos, None, None, None, None
         if any(sp.logit_bias for _, sp, _ in rows):
             bias = torch.zeros(B, V)  # filled on the host, copied once
@@ -49,8 +53,7 @@ class VllmSampler(Sampler):
             self.bias = bias.to(device)
         if any(sp.min_tokens for _, sp, _ in rows):
             self.min_tokens = column("min_tokens")
-            stops = self.stops.clamp(min=0)
-            self.ban = torch.zeros(B, V, device=device).scatter_add(1, stops, (self.stops >= 0).float()) > 0
+            self.ban = torch.zeros(B, V + 1, dtype=torch.bool, device=device).scatter(1, self.stops, True)[:, :V]
         if any((sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty) != (1, 0, 0) for _, sp, _ in rows):
             self.penalties = [column(k) for k in ("repetition_penalty", "frequency_penalty", "presence_penalty")]
             self.in_prompt = torch.zeros(B, V, device=device).scatter_add(1, ids, mask.float()) > 0
@@ -60,9 +63,6 @@ class VllmSampler(Sampler):
         self.k, self.tops = max(sp.logprobs for _, sp, _ in rows), []
         self.strings = {r: sp.stop for r, (_, sp, _) in enumerate(rows) if sp.stop}
         self.decode, self.seen, self.reason, self.text = decode, {r: "" for r in self.strings}, {}, {}
-
-    def stop_ids(self, sp, eos: list[int]) -> list[int]:
-        return list(sp.stop_token_ids) + ([] if sp.ignore_eos else eos)
 
     def __call__(self, logits: torch.Tensor, t: int) -> torch.Tensor:  # (B, V) -> (B, V)
         if self.bias is not None:

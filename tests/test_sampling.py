@@ -87,6 +87,13 @@ def test_min_tokens_holds_back_stop_ids_and_ignore_eos_runs_to_the_limit():
     assert all(c.token_ids == [EOS] and c.stop_reason == EOS for g in by_id for c in g)
 
 
+def test_each_request_keeps_its_own_stop_ids():
+    engine = ServerEngine(tiny_model(), [], 0, None)
+    free, stopped = engine.generate(PROMPTS, [SP(max_tokens=3, seed=1), SP(max_tokens=3, stop_token_ids=tuple(range(32)))])
+    assert len(free[0].token_ids) == 3 and free[0].finish_reason == "length"
+    assert len(stopped[0].token_ids) == 1 and stopped[0].finish_reason == "stop"
+
+
 def test_a_stop_string_ends_the_row_and_cuts_the_text_before_it():
     letters = lambda ids: "".join(chr(ord("a") + t % 26) for t in ids)  # a decode: one letter per token
     engine = ServerEngine(tiny_model(), [], 0, letters)

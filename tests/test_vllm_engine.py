@@ -96,11 +96,11 @@ def test_each_version_is_a_new_lora_request_and_old_ones_are_removed(fake_vllm, 
 def test_generate_sends_token_prompts_and_returns_sampled_logprobs(fake_vllm, tmp_path):
     engine = VllmEngine(DEMO_MODEL, lora_r=8)
     engine.load_adapter(3, str(tmp_path / "policy-v000003"))  # served under its directory's name
-    groups = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(n=2, max_tokens=9, temperature=0.8, stop_token_ids=(0,)))
+    groups = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(n=2, max_tokens=9, temperature=0.8))
     prompts, sp, request = engine.llm.calls[-1]
     assert prompts == [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}]
     assert (sp.n, sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.logprobs) == (2, 9, 0.8, 1.0, 0, 0)
-    assert sp.stop_token_ids == [0] and request.lora_name == "policy-v000003"
+    assert request.lora_name == "policy-v000003"
     assert [len(g) for g in groups] == [2, 2]
     c = groups[0][0]
     assert (c.token_ids, c.logprobs, c.finish_reason) == ([7, 0], [-0.5, -0.1], "stop")
