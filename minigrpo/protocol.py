@@ -1,6 +1,5 @@
 """The HTTP rules minigrpo/serve.py, proxy.py and the http engine (minigrpo/remote.py) share: vLLM's error body and
-auth rule, the texts clients match on, strict input handling, and the server settings and setup (README, "Many
-replicas" and "Failure model"). It imports nothing else from the project.
+auth rule, the texts clients match on, strict input, the server settings and setup (README, "Many replicas").
 
 Copied from vLLM (v0.27-v0.33 sources): the error body (`ErrorResponse` in vllm/entrypoints/serve/engine/protocol.py),
 the auth rule and its 401 {"error": "Unauthorized"} (vllm/entrypoints/serve/middleware/authenticate.py), "has

@@ -133,10 +133,9 @@ LEASE = {"owner": "", "host": "", "pid": 0, "epoch": 0, "timeout_s": 60.0, "chec
 def lease_view(raw: bytes | None) -> dict:
     """owner.json's fields with the types readers rely on. Anything else (not JSON, a list, a string heartbeat, an
     infinite timeout) reads as missing, so a hostile lease can at worst look like a dead one."""
-    try:
+    lease = {}
+    with contextlib.suppress(ValueError, RecursionError):
         lease = json.loads(raw or b"{}")
-    except ValueError:
-        lease = {}
     lease = lease if isinstance(lease, dict) else {}
     out = {k: v if type(v := lease.get(k)) is type(d) or type(d) is float and type(v) is int else d for k, d in LEASE.items()}
     out["seen"] = {k: v for k, v in out["seen"].items() if type(v) is int}
@@ -273,9 +272,8 @@ class Metrics:
 
 
 def read_records(storage, name: str, bad: list | None = None) -> list[dict]:
-    """Every record of metrics/<name>*.jsonl, in the order of the segments' names: a trainer's begin with its epoch,
-    so a redone step's record from the newest life comes last, whatever the clocks said. A line that is not a JSON
-    object is left out (and added to `bad`)."""
+    """Every record of metrics/<name>*.jsonl, in the segments' name order (a trainer's begin with its epoch, so a
+    redone step's record from the newest life comes last, whatever the clocks); other lines go to `bad`."""
     records = []
     for f in sorted(f for f in storage.list("metrics") if f.startswith(name) and f.endswith(".jsonl")):
         for line in storage.get(f"metrics/{f}").decode(errors="replace").splitlines():

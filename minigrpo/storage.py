@@ -1,8 +1,6 @@
 """The run directory's storage: every read and write of RUN (a folder or an fsspec URL) goes through this module,
-whole objects only (README, "The run directory"). On a local disk put() writes a hidden temp file, fsyncs it and
-renames it into place, and get() reads only regular files, so a hostile entry in the run directory can neither hang a
-reader nor point it outside the run. Any failure of the store is an OSError naming the object.
-"""
+whole objects only (README, "The run directory"). On a local disk get() reads only regular files, so a hostile entry
+can neither hang a reader nor point it outside the run. Any failure of the store is an OSError naming the object."""
 import contextlib
 import fcntl
 import glob
