@@ -60,7 +60,7 @@ def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:
     return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
-def inject_lora(model: nn.Module, r: int, alpha: float, targets=DEFAULT_TARGETS, use_rslora: bool = False) -> list[str]:
+def inject_lora(model: nn.Module, r: int, alpha: float, targets=DEFAULT_TARGETS, use_rslora: bool = False):
     """Replace every nn.Linear whose last name part is in `targets` by a LoRALinear; freeze everything else."""
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets]
     if not names:
@@ -68,7 +68,6 @@ def inject_lora(model: nn.Module, r: int, alpha: float, targets=DEFAULT_TARGETS,
     model.requires_grad_(False)  # the LoRA matrices made below are the only trainable parameters
     for name in names:
         model.set_submodule(name, LoRALinear(model.get_submodule(name), r, alpha, use_rslora))
-    return names
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:

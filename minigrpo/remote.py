@@ -25,8 +25,7 @@ class ServerError(RuntimeError):
     pass
 
 
-def served(path: str) -> tuple[str, str]:
-    """(the name an adapter is served under: the last component of its path or URL, that absolute path or URL)."""
+def served(path: str) -> tuple[str, str]:  # (the name it is served under: its last component; its absolute path or URL)
     path = path if "://" in path else os.path.abspath(path)
     return path.rstrip("/").rsplit("/", 1)[-1], path
 
