@@ -82,10 +82,12 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
 # ---------------------------------------------------------------------------------------------------------------
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
     """Block until cfg.groups_per_step fresh groups are taken (stale and, for dapo, zero-std ones are consumed and
-    counted). While it waits, the lease says so every second: a generator may be waiting for room. (groups, wait s)"""
-    t0, last_seen, told, groups = time.time(), time.time(), 0.0, []
+    counted). While it waits, the lease says so every second: a generator may be waiting for room, and a lock-step
+    one makes a dropped group's worth more. (groups, wait s)"""
+    t0, last_seen, told, groups, taken_n = time.time(), time.time(), 0.0, [], 0
     while len(groups) < cfg.groups_per_step:
         taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
+        taken_n += len(taken)
         for g in taken:
             if not run.is_fresh(version, g.policy_version):
                 stats["dropped_stale_total"] += 1
@@ -101,7 +103,8 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
         else:
             time.sleep(buffer.storage.poll_s)
         if len(groups) < cfg.groups_per_step and time.time() - told > 1.0:
-            lease.write(**buffer.progress(lease.timeout_s))  # what waits: the generators' backpressure
+            want = cfg.groups_per_step + taken_n - len(groups)  # this step's groups, and one for each dropped
+            lease.write(**buffer.progress(lease.timeout_s), groups_per_step=want)  # the generators' backpressure
             told = time.time()
     return groups, time.time() - t0
 
@@ -302,7 +305,8 @@ def main():
         validate = partial(check_group, run=meta, vocab_size=model.config.vocab_size, version=version,
                            digest_of=store.digest)
         groups, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, stats)
-        lease.write(**buffer.progress(lease.timeout_s), step=step, version=version)  # the generators may fill the room
+        lease.write(**buffer.progress(lease.timeout_s), step=step, version=version,  # the generators may fill the room
+                    groups_per_step=cfg.groups_per_step)
         staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains
         samples, rewards, lengths = build_samples(groups, run, cfg)
         t1 = time.time()

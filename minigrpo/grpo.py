@@ -43,7 +43,7 @@ def zero_std_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
 @dataclass
 class LossConfig:
     """The loss's settings. train.py's TrainConfig extends this class, so each is also a flag of train.py."""
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = field(default="grpo", metadata={"help": "see minigrpo/grpo.py"})
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = field(default="dapo", metadata={"help": "see minigrpo/grpo.py"})
     eps_low: float = field(default=0.2, metadata={"help": "clip the ratio below at 1 - eps_low"})
     eps_high: float | None = field(default=None, metadata={"help": "clip above at 1 + eps_high (default: 0.28 for "
                                                                    "dapo, else eps_low)"})

@@ -126,12 +126,12 @@ def test_a_second_trainer_is_refused_and_takes_over_once_the_first_is_dead(tmp_p
         gen.kill()
 
 
-def three_steps_of_16_groups(run_dir, *gen_flags):
+def three_steps_of_16_groups(run_dir, *gen_flags, train_flags=()):
     """train.py for 3 steps of 16 groups beside one generate.py with gen_flags; both must finish cleanly."""
     gen = py("generate.py", "--run_dir", run_dir, "--generator_id", "g0", *gen_flags)
     try:
         train = subprocess.run([sys.executable, *TRAIN, "--run_dir", run_dir, "--max_steps", "3", "--groups_per_step",
-                                "16"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+                                "16", *train_flags], cwd=ROOT, capture_output=True, text=True, timeout=180)
         assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
         assert gen.wait(timeout=60) == 0
     finally:
@@ -147,19 +147,33 @@ def test_backpressure_below_one_batch_never_deadlocks(tmp_path):
 
 
 def test_lockstep_samples_each_step_with_the_newest_weights_from_several_batches(tmp_path):
-    """--lockstep with 8 prompts a batch and 16 groups a step: two batches per version, then wait for the next."""
+    """--lockstep with 8 prompts a batch and 16 groups a step: two batches per version, then wait for the next
+    (the grpo loss trains on every group, so exactly two)."""
     run_dir = str(tmp_path / "run")
-    records = three_steps_of_16_groups(run_dir, "--lockstep", "--prompts_per_batch", "8")
+    records = three_steps_of_16_groups(run_dir, "--lockstep", "--prompts_per_batch", "8", train_flags=["--loss_type",
+                                       "grpo"])
     assert [(r["step"], r["sample/staleness_max"]) for r in records] == [(1, 0), (2, 0), (3, 0)]
     versions = [r["policy_version"] for r in gen_records(run_dir, "g0")]
     assert versions[:6] == [0, 0, 1, 1, 2, 2] and set(versions[6:]) <= {3}, versions  # v3 may start before DONE
 
 
+def test_lockstep_makes_more_groups_of_a_version_as_dapo_drops_zero_std_ones(tmp_path):
+    """dapo drops the groups whose rewards are all equal: the waiting trainer asks a lock-step generator for one
+    more group per dropped one, so nothing deadlocks. It makes whole batches, so a step may leave some of its
+    version's groups to the next (one version old; --max_staleness 0 would drop them)."""
+    run_dir = str(tmp_path / "run")
+    records = three_steps_of_16_groups(run_dir, "--lockstep", "--prompts_per_batch", "8")
+    assert [r["step"] for r in records] == [1, 2, 3] and max(r["sample/staleness_max"] for r in records) <= 1
+    assert records[-1]["sample/dropped_zero_std_total"] > 0  # the demo's base gets some problems always right
+    versions = [r["policy_version"] for r in gen_records(run_dir, "g0")]
+    assert versions == sorted(versions) and versions.count(0) > 2, versions
+
+
 def test_resuming_with_other_training_settings_names_each_field():
     from train import TrainConfig, check_settings
-    saved = vars(TrainConfig()) | {"lr": 1.0, "loss_type": "dapo"}
+    saved = vars(TrainConfig()) | {"lr": 1.0, "loss_type": "grpo"}
     assert check_settings(saved, TrainConfig(max_steps=9, device="cpu")) == [
-        "loss_type: the checkpoint has 'dapo', this command has 'grpo'", "lr: the checkpoint has 1.0, this command has 0.003"]
+        "loss_type: the checkpoint has 'grpo', this command has 'dapo'", "lr: the checkpoint has 1.0, this command has 0.003"]
 
 
 def test_generators_killed_mid_write_never_leave_a_partial_group(tmp_path):

@@ -62,7 +62,8 @@ def test_a_sampler_that_served_other_weights_under_the_trainers_version_is_repor
         g.adapter_digest = ""
     RolloutBuffer(Storage(str(mine))).write(groups, "replica", 0)
     out = subprocess.run([sys.executable, "train.py", "--run_dir", str(mine), "--max_steps", "1", "--groups_per_step",
-                          "16", "--eval_every", "1000", "--eval_size", "8"], cwd=ROOT, capture_output=True, text=True,
+                          "16", "--eval_every", "1000", "--eval_size", "8", "--loss_type", "grpo"],  # every group, zero std too
+                         cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "POLICY MISMATCH: 16 groups named v0" in out.stdout
