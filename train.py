@@ -15,7 +15,7 @@ Where it departs from the GRPO paper, on purpose:
      current weights instead, with truncated importance sampling against the behaviour policy (oat style). With
      one optimizer step per batch, those are the trainer's own log-probs, detached: it costs no extra pass.
   2. One optimizer step per batch of groups; no PPO epochs over the same data.
-  3. No reference model unless --beta > 0 (DAPO and Dr. GRPO drop it too).
+  3. No reference model and no KL penalty, as in DAPO and Dr. GRPO.
   4. Stale groups are dropped whole and counted, never reweighted.
 """
 import os
@@ -32,7 +32,7 @@ from minigrpo.adapters import AdapterStore
 from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.grpo import LossConfig, advantages, combine_metrics, grpo_loss, zero_std_groups
-from minigrpo.lora import adapter_config, inject_lora, lora_disabled, lora_state_dict
+from minigrpo.lora import adapter_config, inject_lora, lora_state_dict
 from minigrpo.model import load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
 from minigrpo.packing import Sample, collate, micro_batches
 from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
@@ -42,7 +42,7 @@ from minigrpo.tasks import make_task, prompt_ids, score
 
 
 @dataclass
-class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high, beta, tis_cap) come first
+class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high, tis_cap) come first
     run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory: a folder, s3://, gs://, hf://"})
     max_steps: int = field(default=250, metadata={"help": "optimizer steps in the whole run"})
     groups_per_step: int = field(default=32, metadata={"help": "groups (prompts) per optimizer step; x G = completions"})
@@ -138,9 +138,6 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
     model.train(cfg.gradient_checkpointing)  # transformers checkpoints only in train mode (no dropout in these models)
     for mb in mbs:
         inputs, batch = collate(mb, device, len(samples), num_tokens)
-        if cfg.beta > 0:  # pi_ref: the base model, i.e. the adapter switched off
-            with torch.no_grad(), lora_disabled(model):
-                batch.ref = packed_logprobs(model, *inputs, run.temperature)[0]
         logp, entropy = packed_logprobs(model, *inputs, run.temperature)  # (b, L-1) each
         if cfg.old_logp == "recompute":  # pi_old: the weights before this step's update, i.e. these, so the
             # ratio is 1 and the clip never acts: the truncated IS weight pi_old / mu is the off-policy control
@@ -219,8 +216,8 @@ def publish(store, lease, model, version, config, run, step) -> tuple[int, float
 
 def check_settings(saved: dict, cfg) -> list[str]:
     """Training settings a resume must keep (the math of the run); the others may change freely."""
-    kept = {"loss_type", "eps_low", "eps_high", "beta", "tis_cap", "groups_per_step", "lr", "weight_decay",
-            "max_grad_norm", "old_logp", "sync_every", "seed", "dtype"}
+    kept = {"loss_type", "eps_low", "eps_high", "tis_cap", "groups_per_step", "lr", "weight_decay", "max_grad_norm",
+            "old_logp", "sync_every", "seed", "dtype"}
     return [f"{k}: the checkpoint has {saved[k]!r}, this command has {v!r}" for k, v in asdict(cfg).items()
             if k in kept and k in saved and saved[k] != v]
 

@@ -3,7 +3,7 @@
     A_i    = (r_i - mean_g r) / (std_g r + eps)          group-normalised advantage (unbiased std; 0 if std = 0)
     ratio  = pi_theta / pi_old                          policy ratio, per token
     w      = min(pi_old / mu, tis_cap)                  truncated importance weight (1 when pi_old is mu)
-    l_t    = -w * min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A)  +  beta * k3(pi_theta || pi_ref)
+    l_t    = -w * min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A)
 
 and the per-token losses l are summed over valid tokens and divided by a normaliser that depends on loss_type:
     grpo     1/B sum_i (sum_t l_it / |o_i|)      sequence mean of token means          (DeepSeekMath)
@@ -47,7 +47,6 @@ class LossConfig:
     eps_low: float = field(default=0.2, metadata={"help": "clip the ratio below at 1 - eps_low"})
     eps_high: float | None = field(default=None, metadata={"help": "clip above at 1 + eps_high (default: 0.28 for "
                                                                    "dapo, else eps_low)"})
-    beta: float = field(default=0.0, metadata={"help": "weight of the k3 KL to the base model (0: no reference pass)"})
     tis_cap: float | None = field(default=None, metadata={"help": "truncated IS cap on pi_old/mu (default: none; 2 "
                                                                   "with --old_logp recompute)"})
 
@@ -63,7 +62,6 @@ class Batch:
     adv: torch.Tensor  # (B,) advantages
     mask: torch.Tensor  # (B, T) 1 on completion tokens, 0 on the prompt and past the end
     old: torch.Tensor | None = None  # (B, T) pi_old; None: mu itself (the behaviour policy)
-    ref: torch.Tensor | None = None  # (B, T) pi_ref, for the KL term when beta > 0
     num_seqs: int | None = None  # the whole optimizer batch's normalisers (None: this batch's own)
     num_tokens: int | None = None
 
@@ -81,9 +79,6 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
         is_ratio = torch.exp((old_logp - behav_logp) * mask)  # (B, T) pi_old / mu
         w = is_ratio.clamp(max=cfg.tis_cap)
     per_token = -w * surrogate  # (B, T)
-    if cfg.beta > 0:
-        delta = ((batch.ref.detach() - logp) * mask).clamp(-40, 40)  # (B, T)
-        per_token = per_token + cfg.beta * (torch.exp(delta) - delta - 1)  # k3 estimator of KL(pi_theta || pi_ref)
 
     num_seqs = batch.num_seqs or logp.shape[0]
     if cfg.loss_type == "grpo":
@@ -100,8 +95,7 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
         metrics = {"tokens": valid.sum().item(),
                    "ratio/mean": r.mean().item(), "ratio/min": r.min().item(), "ratio/max": r.max().item(),
                    "clip_ratio/low": ((r < 1 - cfg.eps_low) & (A_tok < 0)).float().mean().item(),
-                   "clip_ratio/high": ((r > 1 + cfg.eps_high) & (A_tok > 0)).float().mean().item(),
-                   "kl": ((r - 1) - torch.log(r)).mean().item()}  # k3 of KL(mu || pi_theta) when old is mu
+                   "clip_ratio/high": ((r > 1 + cfg.eps_high) & (A_tok > 0)).float().mean().item()}
         if cfg.tis_cap is not None:
             metrics |= {"is/mean": is_ratio[valid].mean().item(),
                         "is/frac_capped": (is_ratio[valid] > cfg.tis_cap).float().mean().item()}

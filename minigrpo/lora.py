@@ -6,7 +6,6 @@
 Adapters are saved and loaded in PEFT's format (adapter_config.json + adapter_model.safetensors, keys
 `base_model.model.<module>.lora_A.weight`), so peft and vLLM load ours and we load theirs.
 """
-import contextlib
 import hashlib
 import json
 import math
@@ -72,19 +71,6 @@ def inject_lora(model: nn.Module, r: int, alpha: float, targets=DEFAULT_TARGETS,
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
-
-
-@contextlib.contextmanager
-def lora_disabled(model: nn.Module):
-    """Run the model as its frozen base, e.g. for a reference-policy pass: scaling 0 switches B A off."""
-    saved = {layer: layer.scaling for layer in lora_layers(model).values()}
-    for layer in saved:
-        layer.scaling = 0.0
-    try:
-        yield
-    finally:
-        for layer, scaling in saved.items():
-            layer.scaling = scaling
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ def sequences(model, n=12, G=4, seed=0):
 
 
 @pytest.mark.parametrize("options", [dict(loss_type="grpo"), dict(loss_type="dapo"), dict(loss_type="dr_grpo"),
-                                     dict(old_logp="recompute"), dict(beta=0.1), dict(tis_cap=2.0)])
+                                     dict(old_logp="recompute"), dict(tis_cap=2.0)])
 def test_every_option_trains_and_starts_on_policy(options):
     model = tiny_model()
     inject_lora(model, 4, 8)
