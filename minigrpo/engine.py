@@ -1,8 +1,7 @@
 """The built-in generation engine (CPU or GPU): batched sampling over the LoRA-wrapped model with a KV cache. For
 every sampled token it returns the behaviour log-probability, under the distribution it was actually drawn from:
-log softmax(logits / temperature) in float32, then top_p, in vLLM's order (vllm/v1/sample/sampler.py), as
-`vllm serve --logprobs-mode processed_logprobs` reports it. The trainer reproduces exactly that number, so at
-version 0 the ratio is 1. Every engine (remote.py has the others) offers:
+log softmax(logits / temperature) in float32, as `vllm serve --logprobs-mode processed_logprobs` reports it. The
+trainer reproduces exactly that number, so at version 0 the ratio is 1. Every engine (remote.py has the others) offers:
 
     engine.load_adapter(version, path)        switch to a published adapter, between batches
     engine.generate(prompts, params)          -> list (per prompt) of lists (per sample) of Completion
@@ -22,7 +21,6 @@ class SamplingParams:
     n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0  # keep the fewest best tokens whose probability reaches top_p; 1 (off) for training
     seed: int | None = None  # None: the engine's own generator
 
 
@@ -39,25 +37,16 @@ def per_row(rows, field: str, device, dtype=torch.float32) -> torch.Tensor:  # (
 
 
 class Sampler:
-    """One batch's rules (rows: (prompt, params, sample index)): the log-probs above, top_p renormalised; a row ends at
-    its first stop id (the model's EOS). The replica server's subclass (serve_sampling.py) extends these methods."""
+    """One batch's rules (rows: (prompt, params, sample index)): the log-probs above; a row ends at its first stop id
+    (the model's EOS). The replica server's subclass (serve_sampling.py) extends these methods."""
 
     def __init__(self, rows, eos: list[int], device):
         t = per_row(rows, "temperature", device)[:, None]  # (B, 1)
         self.temperature = torch.where(t > 0, t, 1.0)  # greedy rows report log_softmax(logits), as vLLM does
-        self.top_p = per_row(rows, "top_p", device)[:, None] if any(sp.top_p < 1 for _, sp, _ in rows) else None
         self.stops = torch.tensor(eos, dtype=torch.long, device=device)  # (S,) the same for every row
 
     def __call__(self, logits: torch.Tensor, t: int) -> torch.Tensor:  # (B, V) raw logits -> (B, V) log-probs
-        return self.nucleus(torch.log_softmax(logits / self.temperature, -1))
-
-    def nucleus(self, logp: torch.Tensor) -> torch.Tensor:  # (B, V) -> (B, V)
-        if self.top_p is None:
-            return logp
-        sorted_lp, order = logp.sort(-1, descending=True)  # (B, V)
-        mass_before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # (B, V) probability of the better tokens
-        drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, mass_before >= self.top_p)
-        return torch.log_softmax(logp.masked_fill(drop & (self.top_p < 1), float("-inf")), -1)
+        return torch.log_softmax(logits / self.temperature, -1)
 
     def hit(self, tokens: list[torch.Tensor], done: torch.Tensor) -> torch.Tensor:  # (B,) rows the last token ends
         return (tokens[-1][:, None] == self.stops).any(1)

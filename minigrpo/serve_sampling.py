@@ -1,7 +1,7 @@
-"""The replica server's sampling: vLLM's sampling parameters beyond the core engine's temperature, top_p, seed and
-EOS, as a subclass of engine.Sampler. In vLLM's order (vllm/model_executor/layers/utils.py apply_penalties,
-vllm/v1/sample/logits_processor/builtin.py, vllm/v1/engine/detokenizer.py check_stop_strings), each step built only
-when some row of the batch uses it:
+"""The replica server's sampling: vLLM's sampling parameters beyond the core engine's temperature, seed and EOS, as a
+subclass of engine.Sampler. In vLLM's order (vllm/model_executor/layers/utils.py apply_penalties, vllm/v1/sample:
+logits_processor/builtin.py, ops/topk_topp_sampler.py; vllm/v1/engine/detokenizer.py check_stop_strings), each step
+built only when some row of the batch uses it:
     logits += logit_bias
     logits[stop ids] = -inf                          while fewer than min_tokens tokens are out
     logits /= rep  where seen and logits > 0, logits *= rep where seen and logits <= 0   (prompt and output)
@@ -29,6 +29,7 @@ class ServerParams(SamplingParams):
     presence_penalty: float = 0.0  # subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    top_p: float = 1.0  # keep the fewest best tokens whose probability reaches top_p (training never sets it)
 
 
 @dataclass
@@ -44,7 +45,7 @@ class VllmSampler(Sampler):
         B, column = len(rows), lambda field: per_row(rows, field, device)[:, None]  # (B, 1)
         stop_ids = [torch.tensor(list(sp.stop_token_ids) + ([] if sp.ignore_eos else eos)).long() for _, sp, _ in rows]
         self.stops = pad_sequence(stop_ids, True, V).to(device)  # (B, S) each row's stops, padded with V: not a token
-        self.rows, self.eos, self.bias, self.min_tokens, self.penalties, self.min_p = rows, eos, None, None, None, None
+        self.rows, self.eos, self.bias, self.min_tokens, self.penalties = rows, eos, None, None, None
         if any(sp.logit_bias for _, sp, _ in rows):
             bias = torch.zeros(B, V)  # filled on the host, copied once
             for r, (_, sp, _) in enumerate(rows):
@@ -58,8 +59,8 @@ class VllmSampler(Sampler):
             self.penalties = [column(k) for k in ("repetition_penalty", "frequency_penalty", "presence_penalty")]
             self.in_prompt = torch.zeros(B, V, device=device).scatter_add(1, ids, mask.float()) > 0
             self.counts = torch.zeros(B, V, device=device)  # (B, V) occurrences in the output so far
-        if any(sp.min_p > 0 for _, sp, _ in rows):
-            self.min_p = column("min_p")
+        self.min_p = column("min_p") if any(sp.min_p > 0 for _, sp, _ in rows) else None
+        self.top_p = column("top_p") if any(sp.top_p < 1 for _, sp, _ in rows) else None
         self.k, self.tops = max(sp.logprobs for _, sp, _ in rows), []
         self.strings = {r: sp.stop for r, (_, sp, _) in enumerate(rows) if sp.stop}
         self.decode, self.seen, self.reason, self.text = decode, {r: "" for r in self.strings}, {}, {}
@@ -78,7 +79,11 @@ class VllmSampler(Sampler):
         if self.min_p is not None:
             p = logp.exp()
             logp = torch.log_softmax(logp.masked_fill(p < p.max(-1, keepdim=True).values * self.min_p, -torch.inf), -1)
-        logp = self.nucleus(logp)
+        if self.top_p is not None:  # a token goes once the better ones hold top_p; rows at 1 keep every token
+            sorted_lp, order = logp.sort(-1, descending=True)  # (B, V)
+            mass_before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # (B, V) probability of the better tokens
+            drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, mass_before >= self.top_p)
+            logp = torch.log_softmax(logp.masked_fill(drop & (self.top_p < 1), -torch.inf), -1)
         if self.k:
             self.tops.append(logp.topk(self.k, -1))
         return logp

@@ -74,6 +74,14 @@ def test_logit_bias_of_100_forces_the_token_and_min_p_1_is_greedy():
     assert engine.generate(PROMPTS, SP(max_tokens=5, seed=9, min_p=1.0))[0][0].token_ids == greedy[0][0].token_ids
 
 
+def test_tiny_top_p_is_greedy():  # the core engine has no top_p: training samples at plain temperature
+    engine = ServerEngine(tiny_model(), [EOS], 0, None)
+    greedy = engine.generate(PROMPTS, SP(max_tokens=5, temperature=0))
+    nucleus = engine.generate(PROMPTS, SP(max_tokens=5, top_p=1e-6, seed=1))
+    for g, c in zip(greedy, nucleus):
+        assert c[0].token_ids == g[0].token_ids and all(lp == 0.0 for lp in c[0].logprobs)
+
+
 def test_min_tokens_holds_back_stop_ids_and_ignore_eos_runs_to_the_limit():
     engine = ServerEngine(tiny_model(), [EOS], 0, None)
     eos_everywhere = {EOS: 100.0}
