@@ -57,7 +57,8 @@ def plot_run(run_dir: str, out: str) -> str:
 
     queue.plot(x, col("sample/rollout_queue_size"), label="groups waiting for the trainer")
     t0 = steps[0].get("time", 0) if steps else float("inf")
-    gens = [r for r in read_records(storage, "generate-", bad) if isinstance(r.get("time"), (int, float)) and r["time"] >= t0]
+    gens = [r for r in read_records(storage, "generate-", bad)
+            if isinstance(r.get("time"), (int, float)) and r["time"] >= t0]
     backpressure = []  # each generator's cumulative backpressure, its wall time put on the step axis
     for name in sorted({r.get("generator", "") for r in gens}):
         g = [r for r in gens if r.get("generator", "") == name]

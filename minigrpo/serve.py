@@ -29,14 +29,12 @@ from minigrpo.serve_scheduler import Adapter, Scheduler
 VERSION = "0.33.0+minigrpo"  # the vLLM API this server answers like
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_FACTOR = 1e4  # largest temperature and repetition_penalty: logits are float32, and 1e308 would be inf there
-NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a chat "
-               "template if the tokenizer does not define one.")
 SAMPLING = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
             "ignore_eos", "min_tokens", "logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty",
             "skip_special_tokens", "return_token_ids", "stream", "include_stop_str_in_output", "logprobs"}
 FIELDS = {"/v1/completions": SAMPLING | {"prompt", "echo", "prompt_logprobs", "return_tokens_as_token_ids"},
           "/v1/chat/completions": SAMPLING | {"messages", "max_completion_tokens", "top_logprobs"}}
-# what SamplingParams takes as is: (default, low, high, whether low itself is refused)
+# what ServerParams takes as is: (default, low, high, whether low itself is refused)
 RANGES = {"temperature": (1.0, 0, MAX_FACTOR, False), "top_p": (1.0, 0, 1, True), "min_p": (0.0, 0, 1, False),
           "repetition_penalty": (1.0, 0, MAX_FACTOR, True), "presence_penalty": (0.0, -2, 2, False),
           "frequency_penalty": (0.0, -2, 2, False)}
@@ -49,7 +47,7 @@ class ServeConfig(P.ServerConfig):
     model: str = field(default="demo", metadata={"help": "base model: 'demo', a local folder or a hub id"})
     max_lora_rank: int = field(default=16, metadata={"help": f"largest adapter rank served, one of {MAX_LORA_RANKS}"})
     max_loras: int = field(default=6, metadata={"help": "distinct adapters per scheduling round"})
-    max_cpu_loras: int = field(default=8, metadata={"help": "adapters kept in memory; others are re-read from their path"})
+    max_cpu_loras: int = field(default=8, metadata={"help": "adapters kept in memory; others are re-read when used"})
     lora_root: str = field(default="", metadata={"help": "if set, lora_path must lie inside this directory"})
     max_request_rows: int = field(default=256, metadata={"help": "most sequences (prompts x n) in one request"})
     max_batch_rows: int = field(default=512, metadata={"help": "most sequences sampled together"})
@@ -127,8 +125,7 @@ class Server:
 
     async def prompts(self, body: dict, n: int) -> list[list[int]]:
         one = lambda p: isinstance(p, str) or isinstance(p, list) and p and all(type(t) is int for t in p)
-        prompt = body.get("prompt")
-        prompt = [prompt] if one(prompt) else prompt
+        prompt = [body["prompt"]] if one(body.get("prompt")) else body.get("prompt")
         if not (isinstance(prompt, list) and prompt and all(map(one, prompt))):
             raise P.BadRequest("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
         if len(prompt) * n > self.cfg.max_request_rows:
@@ -142,7 +139,8 @@ class Server:
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             and m.keys() <= {"role", "content", "name"} for m in ms), "be a non-empty list of {role, content}")
         if self.tokenizer.chat_template is None:
-            raise P.BadRequest(NO_TEMPLATE)
+            raise P.BadRequest("As of transformers v4.44, default chat template is no longer allowed, so you must "
+                               "provide a chat template if the tokenizer does not define one.")
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 -- a template may raise anything on odd messages
@@ -198,8 +196,7 @@ class Server:
         logprobs = number(body, "logprobs", 0, 0, min(MAX_LOGPROBS, self.vocab), integer=True)
         prompts = await self.prompts(body, n)
         out = await self.scheduler.submit(model, prompts, self.sampling(body, prompts, n, logprobs))
-        as_ids = body.get("return_tokens_as_token_ids")
-        name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: self.decode([t], False))
+        name = lambda t: f"token_id:{t}" if body.get("return_tokens_as_token_ids") else self.decode([t], False)
         choices = [self.choice(c, body, model) | {
             "logprobs": self.completion_logprobs(c, name, logprobs) if body.get("logprobs") is not None else None,
             "prompt_logprobs": None, "routed_experts": None,
@@ -327,11 +324,10 @@ class Server:
         return web.json_response({"vllm_config": config if as_json else str(config), "system_env": {},
                                   "vllm_env": {"VLLM_SERVER_DEV_MODE": True, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}})
 
-    async def fixed(self, request):
-        """The routes whose answer needs no work; /health and /ping answer an empty 200."""
+    async def fixed(self, request):  # the routes whose answer needs no work
         answers = {"/version": {"version": VERSION}, "/is_paused": {"is_paused": self.scheduler.paused is not None},
                    "/reset_prefix_cache": {"success": True}, "/get_world_size": {"world_size": 1}}
-        return web.json_response(answers[request.path]) if request.path in answers else web.Response()
+        return web.json_response(answers[request.path]) if request.path in answers else web.Response()  # /health, /ping
 
     def routes(self) -> list:
         return [

@@ -19,9 +19,7 @@ Adapter = collections.namedtuple("Adapter", "path created")  # a loaded name's r
 BASE = Weights(0, 0.0, {}, "")  # the base model: every LoRA layer zeroed and switched off
 
 
-class Job:
-    """One request: its prompts, each sampled n times, and the future its handler awaits."""
-
+class Job:  # one request
     def __init__(self, model: str, prompts: list[list[int]], params: ServerParams, future: asyncio.Future):
         self.model, self.prompts, self.params, self.future = model, prompts, params, future  # model: base or adapter
         self.waiting = collections.deque(range(len(prompts)))  # prompts not yet in a round
@@ -76,16 +74,6 @@ class Scheduler:
         with self.lock:
             self.cache.pop(name, None)
 
-    def switch(self, name: str):
-        """In the sampling thread: point the LoRA layers at this adapter (or switch them off for the base)."""
-        target = self.base if name == self.base else self.adapters[name]
-        if self.active is target:
-            return
-        self.active = None  # until every layer holds the new weights
-        w = BASE if name == self.base else self.weights(name)
-        apply_adapter(self.model, w.tensors, w.r, w.scaling)
-        self.engine.digest, self.active = w.digest, target
-
     async def submit(self, model: str, prompts: list[list[int]], params: ServerParams):
         job = Job(model, prompts, params, asyncio.get_running_loop().create_future())
         self.jobs.append(job)
@@ -107,7 +95,13 @@ class Scheduler:
         return units
 
     def sample(self, name: str, units: list[tuple[Job, int]]) -> list[list[Choice]]:
-        self.switch(name)
+        """In the sampling thread: point the LoRA layers at this adapter (or switch them off for the base), sample."""
+        target = self.base if name == self.base else self.adapters[name]
+        if self.active is not target:
+            self.active = None  # until every layer holds the new weights
+            w = BASE if name == self.base else self.weights(name)
+            apply_adapter(self.model, w.tensors, w.r, w.scaling)
+            self.engine.digest, self.active = w.digest, target
         return self.engine.generate([job.prompts[i] for job, i in units], [job.params for job, _ in units])
 
     async def run(self):
