@@ -10,7 +10,7 @@ alpha=16 on the same seven projections, learning rate 3e-3 (constant), G=8 compl
 completions (32 groups) per optimizer step, at most 8 new tokens, temperature 1, top_p 1, top_k off, float32, on
 the CPU. These are minigrpo's defaults, read from its config classes, so the TRL arms follow any change to them:
   minigrpo     its real scripts, generate.py and train.py, as two processes (one thread each) on a fresh run directory,
-               with every training default (grpo loss, behaviour log-probs, max_staleness 4, an adapter per step)
+               with every training default (the dapo loss, behaviour log-probs, max_staleness 4, an adapter per step)
   trl_default  GRPOTrainer with TRL's own defaults for everything not matched above (TRL 1.16: loss_type="dapo",
                scale_rewards="group", epsilon 0.2, beta 0, one iteration per batch); one process, one thread
   trl_dapo     TRL's documented DAPO settings: loss_type="dapo", epsilon_high=0.28 (clip-higher),
@@ -285,6 +285,54 @@ class Evaluator:
         return evaluate(self.engine, self.tokenizer, self.task, self.problems, self.run, seed, len(self.problems))
 
 
+def plot_curves(runs, arms, points, path):
+    """Held-out pass@1 against training seconds, mean ± sd over seeds (shaded), one line per arm."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for arm in arms:
+        mine = [r for r in runs if r["arm"] == arm]
+        xs = [0.0, *points]
+        ys = [[r["pass@1_base"], *(r["pass@1"][f"{t:g}"] for t in points)] for r in mine]
+        mean = [statistics.mean(col) for col in zip(*ys)]
+        sd = [statistics.stdev(col) if len(col) > 1 else 0.0 for col in zip(*ys)]
+        ax.plot(xs, mean, marker="o", label=f"{arm} ({len(mine)} seeds)")
+        ax.fill_between(xs, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)], alpha=0.2)
+    ax.set_xlabel("training wall-clock (s)")
+    ax.set_ylabel("held-out pass@1 (T=1)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def headline(runs, points) -> dict:
+    """minigrpo against TRL's best arm (the highest mean pass@1 over the points in the last 40% of the budget):
+    the margin there (mean ± sd of the seeds' margins), and the time minigrpo's mean curve needs to reach that arm's
+    final mean pass@1, as a share of the budget (linear between points; the first point at or above it, too)."""
+    late = [t for t in points if t >= 0.6 * points[-1] - 1e-9]
+    mean_late = lambda r: statistics.mean(r["pass@1"][f"{t:g}"] for t in late)  # noqa: E731
+    arms = {r["arm"] for r in runs if r["arm"] != "minigrpo"}
+    if "minigrpo" not in {r["arm"] for r in runs} or not arms:
+        return {}
+    by = lambda arm: sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])  # noqa: E731
+    best = max(arms, key=lambda a: statistics.mean(map(mean_late, by(a))))
+    margins = [mean_late(m) - mean_late(t) for m, t in zip(by("minigrpo"), by(best))]
+    target = statistics.mean(r["pass@1"][f"{points[-1]:g}"] for r in by(best))
+    xs = [0.0, *points]
+    curve = [statistics.mean(r["pass@1_base"] for r in by("minigrpo")),
+             *(statistics.mean(r["pass@1"][f"{t:g}"] for r in by("minigrpo")) for t in points)]
+    reach = next((i for i, y in enumerate(curve) if y >= target), None)
+    interp = None if reach is None else xs[reach] if reach == 0 else \
+        xs[reach - 1] + (xs[reach] - xs[reach - 1]) * (target - curve[reach - 1]) / (curve[reach] - curve[reach - 1])
+    return {"best_trl_arm": best, "late_points": late, "margin": statistics.mean(margins),
+            "margin_sd": statistics.stdev(margins) if len(margins) > 1 else 0.0, "margins": margins,
+            "target": target, "time_ratio_interpolated": None if interp is None else interp / points[-1],
+            "time_ratio_first_point": None if reach is None else xs[reach] / points[-1]}
+
+
 def mean_sd(xs) -> str:
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
 
@@ -294,6 +342,7 @@ def main():
     p.add_argument("--budget_s", type=float, default=150.0, help="training wall-clock per arm and seed")
     p.add_argument("--points", default="", help="seconds at which to evaluate (default: 5 even points up to the budget)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every arm")
+    p.add_argument("--first_seed", type=int, default=0, help="seeds FIRST_SEED..FIRST_SEED+SEEDS-1")
     p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, from {','.join(ARMS)}")
     p.add_argument("--eval_size", type=int, default=400, help="held-out problems per evaluation (train.py's default)")
     p.add_argument("--trl_threads", type=int, default=1, help="torch threads of TRL's one process (minigrpo runs two "
@@ -330,7 +379,8 @@ def main():
     evaluator = Evaluator(args.eval_size, threads=1, split=args.split)
 
     runs = []  # one per arm and seed
-    for seed in range(args.seeds):  # arms take turns within a seed, so that slow spells of the machine hit all alike
+    # arms take turns within a seed, so that slow spells of the machine hit all alike
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         base = evaluator(None, seed)
         for arm in arms:
             out = os.path.join(work, f"{arm}-s{seed}")
@@ -358,7 +408,7 @@ def main():
         rows.append(row)
     which = "first" if args.split == "test" else "last (--split val)"
     notes = (f"held-out pass@1 ({which} {args.eval_size} held-out problems, T=1, mean ± sd over seeds "
-             f"{', '.join(map(str, range(args.seeds)))}) of the newest adapter complete at each second of training "
+             f"{', '.join(str(r['seed']) for r in runs if r['arm'] == arms[0])}) of the newest adapter complete at each second of training "
              f"since the arm's start; base: the shipped model; steps/s: optimizer steps of "
              f"{matched().completions_per_step} completions done in "
              f"the {args.budget_s:g} s budget / budget." + (f" Logs and adapters: {work}" if args.work_dir else ""))
@@ -366,7 +416,14 @@ def main():
     settings = {k: getattr(args, k) for k in ("budget_s", "point_list", "step_list", "seeds", "arms", "eval_size",
                                               "split", "trl_threads", "train_flags", "gen_flags", "run_flags")}
     versions = {m.__name__: m.__version__ for m in (trl, peft, transformers, torch)}
-    report(args.name or ("compare_trl" if args.split == "test" else "compare_trl_val"), rows, notes, extra={"settings": settings, "versions": versions, "runs": runs})
+    if head := headline(runs, args.point_list):
+        print(f"minigrpo - {head['best_trl_arm']} (TRL's best) over {head['late_points']} s: "
+              f"{head['margin']:+.3f} ± {head['margin_sd']:.3f}; time to {head['best_trl_arm']}'s final "
+              f"{head['target']:.3f}: {head['time_ratio_interpolated']} of the budget (interpolated), "
+              f"{head['time_ratio_first_point']} (first point)", flush=True)
+    name = args.name or ("compare_trl" if args.split == "test" else "compare_trl_val")
+    plot_curves(runs, arms, args.point_list, os.path.join(ROOT, "bench", "results", f"{name}.png"))
+    report(name, rows, notes, extra={"settings": settings, "versions": versions, "runs": runs, "headline": head})
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
 
