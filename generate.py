@@ -6,7 +6,6 @@ step"). It shares nothing with the trainer but the run directory: start as many 
     python generate.py --run_dir s3://bucket/run1 --device cuda:0         # one generator per GPU, any machine
     python generate.py --engine http --url http://127.0.0.1:8000 --api_key KEY   # through a server or proxy.py
     python generate.py --engine http --replica_run_dir /mnt/bucket/run1 ...      # vllm serve replicas that mount it
-    python generate.py --engine vllm --model Qwen/Qwen2.5-Math-1.5B ...          # vLLM in-process, one GPU
 """
 import collections
 import contextlib
@@ -26,7 +25,7 @@ from minigrpo.adapters import AdapterStore
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.lora import inject_lora
 from minigrpo.model import load_model, pick_device, resolve_model, stop_token_ids
-from minigrpo.remote import HttpEngine, ServerError, VllmEngine
+from minigrpo.remote import HttpEngine, ServerError
 from minigrpo.rollouts import Group, RolloutBuffer
 from minigrpo.run import Metrics, RunSettings, Watch, join_run, lease_view, parse_config, tracker
 from minigrpo.storage import Storage
@@ -37,11 +36,10 @@ from minigrpo.tasks import make_task, prompt_ids, score
 class GenerateConfig:
     run_dir: str = field(default="runs/demo", metadata={"help": "the shared run directory: a folder or a URL"})
     replica_run_dir: str = field(default="", metadata={"help": "--engine http: the run directory as replicas see it"})
-    engine: Literal["torch", "http", "vllm"] = field(default="torch", metadata={"help": "http: vLLM or proxy.py"})
+    engine: Literal["torch", "http"] = field(default="torch", metadata={"help": "http: vLLM or proxy.py"})
     url: str = field(default="http://127.0.0.1:8000", metadata={"help": "--engine http: the server or proxy address"})
     api_key: str = field(default="", metadata={"help": "--engine http: the server's API key (or env MINIGRPO_API_KEY)"})
     max_inflight: int = field(default=64, metadata={"help": "--engine http: most requests in flight at once"})
-    gpu_memory_utilization: float = field(default=0.85, metadata={"help": "--engine vllm: vLLM's share of the GPU"})
     generator_id: str = field(default="", metadata={"help": "names this generator's files; default host-pid"})
     prompts_per_batch: int = field(default=8, metadata={"help": "prompts sampled together; G completions each"})
     max_ready: int = field(default=64, metadata={"help": "backpressure: most groups left waiting for the trainer"})
@@ -57,19 +55,16 @@ class GenerateConfig:
 
 
 def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
-    """(engine, tokenizer). Only the torch engine holds the model here; the others need just the tokenizer."""
+    """(engine, tokenizer). Only the torch engine holds the model here; the http engine needs just the tokenizer."""
     if cfg.engine == "torch":
         model, tokenizer = load_model(run.model, pick_device(cfg.device), cfg.dtype)
         inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
         return TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, seed), tokenizer
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(run.model))
-    if cfg.engine == "http":
-        engine = HttpEngine(cfg.url, cfg.api_key or os.environ.get("MINIGRPO_API_KEY", ""), cfg.max_inflight,
-                            keep=run.max_staleness + 1)
-        engine.wait_ready()
-        return engine, tokenizer
-    return VllmEngine(resolve_model(run.model), run.lora_r, run.max_staleness + 1, cfg.dtype, seed,
-                      cfg.gpu_memory_utilization, run.max_prompt_len, run.max_new_tokens), tokenizer
+    engine = HttpEngine(cfg.url, cfg.api_key or os.environ.get("MINIGRPO_API_KEY", ""), cfg.max_inflight,
+                        keep=run.max_staleness + 1)
+    engine.wait_ready()
+    return engine, tokenizer
 
 
 def waiting_groups(buffer: RolloutBuffer, watch: Watch, writer: str, written: int, batch: int) -> tuple[int, dict]:

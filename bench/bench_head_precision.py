@@ -4,8 +4,8 @@ logits h W^T are rounded to bf16 before the float32 softmax) or in float32 (h an
 the MiniMax-M1 fix). Step 1 means the untrained adapter, so pi_theta and mu are the same policy and every bit of
 v = pi_theta / mu != 1 is numerics.
 
-vLLM samples G=8 completions per reverse_add prompt at temperature 1 through minigrpo.remote.VllmEngine (as
-generate.py --engine vllm does: a rank-8 adapter of zeros, processed log-probs), in a worker process of .venv-vllm that
+vLLM samples G=8 completions per reverse_add prompt at temperature 1 through its offline API (as a `vllm serve`
+replica does for generate.py: a rank-8 adapter of zeros, processed log-probs), in a worker process of .venv-vllm that
 writes prompt ids, token ids and log-probs to a JSON file; the trainer side (this process) packs them with
 packing.micro_batches / collate as train_step does and recomputes the log-probs of the sampled tokens. Variants:
 
@@ -55,17 +55,22 @@ VARIANTS = [("bf16 head", "bfloat16", "bfloat16", None),  # name, vLLM dtype, ou
 
 # ---- the vLLM side, run by .venv-vllm's python ----
 def vllm_worker(spec_path: str, out_path: str):
-    from minigrpo.engine import SamplingParams
-    from minigrpo.remote import VllmEngine
+    import vllm
+    from transformers import AutoConfig
+    from vllm.lora.request import LoRARequest
     spec = json.load(open(spec_path))
-    engine = VllmEngine(spec["model"], LORA_R, dtype=spec["dtype"], seed=0, max_prompt_len=64,
-                        max_new_tokens=spec["max_new_tokens"])
-    engine.load_adapter(0, spec["adapter"])
+    limit = AutoConfig.from_pretrained(spec["model"]).max_position_embeddings  # the demo model holds 64 tokens
+    llm = vllm.LLM(model=spec["model"], enable_lora=True, max_lora_rank=LORA_R, max_loras=6, max_cpu_loras=6,
+                   logprobs_mode="processed_logprobs", dtype=spec["dtype"], seed=0,
+                   max_model_len=min(64 + spec["max_new_tokens"], limit))
+    lora = LoRARequest("policy-bench-v000000", 1, spec["adapter"])
     out = []
     for seed, prompts in zip(spec["seeds"], spec["prompts"]):
-        groups = engine.generate(prompts, SamplingParams(n=G, max_tokens=spec["max_new_tokens"], temperature=1.0,
-                                                         seed=1000 * seed + 1))
-        out.append([[(c.token_ids, c.logprobs) for c in group] for group in groups])
+        params = vllm.SamplingParams(n=G, temperature=1.0, top_p=1.0, top_k=0, max_tokens=spec["max_new_tokens"],
+                                     logprobs=0, seed=1000 * seed + 1)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=lora, use_tqdm=False)
+        out.append([[(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
+                     for o in group.outputs] for group in outputs])
     json.dump(out, open(out_path, "w"))
 
 

