@@ -61,10 +61,8 @@ def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
         inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
         return TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, seed), tokenizer
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(run.model))
-    engine = HttpEngine(cfg.url, cfg.api_key or os.environ.get("MINIGRPO_API_KEY", ""), cfg.max_inflight,
-                        keep=run.max_staleness + 1)
-    engine.wait_ready()
-    return engine, tokenizer
+    api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
+    return HttpEngine(cfg.url, api_key, cfg.max_inflight, keep=run.max_staleness + 1), tokenizer
 
 
 def waiting_groups(buffer: RolloutBuffer, watch: Watch, writer: str, written: int, batch: int) -> tuple[int, dict]:

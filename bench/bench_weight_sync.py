@@ -74,8 +74,8 @@ def measure(store_kind: str, ports: list[int], replicas: str = "minigrpo", model
                                   stdout=subprocess.DEVNULL))
     rows = []
     try:
-        engine = HttpEngine(f"http://127.0.0.1:{ports[2]}", keep=3)
-        engine.wait_ready(timeout_s=900)  # the proxy's /health is 200 once both replicas answer 200
+        engine = HttpEngine(f"http://127.0.0.1:{ports[2]}", keep=3, retry_s=900)
+        engine.loop.run_until_complete(engine._call("GET", "/health"))  # 200 once both replicas answer 200
         store, version = AdapterStore(Storage(run_dir), uuid.uuid4().hex[:8]), 0
         for r in (1, 16):
             lm, _ = load_model(model, torch.device("cpu"))

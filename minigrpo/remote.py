@@ -4,7 +4,7 @@ directory's name (never reused) and requested as model = that name; names that l
 unloaded. README.md has the retries ("Failure model") and the digests ("Many replicas").
 """
 import asyncio
-import contextlib
+import itertools
 import json
 import os
 import time
@@ -27,9 +27,9 @@ def served(path: str) -> tuple[str, str]:  # (the name it is served under: its l
 
 
 class HttpEngine:
-    def __init__(self, url: str, api_key: str = "", max_inflight: int = 64, keep: int = 5, retries: int = 6,
+    def __init__(self, url: str, api_key: str = "", max_inflight: int = 64, keep: int = 5, retry_s: float = 300.0,
                  timeout_s: float = 600.0):
-        self.url, self.keep, self.retries = url.rstrip("/"), keep, retries
+        self.url, self.keep, self.retry_s = url.rstrip("/"), keep, retry_s
         self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
         self.inflight = asyncio.Semaphore(max_inflight)
         self.version, self.loaded = None, {}  # loaded: version -> (name, path)
@@ -40,9 +40,10 @@ class HttpEngine:
         self.session = self.loop.run_until_complete(session())
 
     async def _call(self, method: str, path: str, body=None) -> tuple[int, str]:
-        """(status, text), retrying transport errors and 5xx with backoff 0.5, 1, 2, ... 8 s."""
-        last = None
-        for attempt in range(self.retries):
+        """(status, text), retrying transport errors and 5xx with backoff 0.5, 1, 2, ... 8 s for up to retry_s: a
+        server that is still starting (vLLM takes minutes) or restarting is waited for, and said so."""
+        deadline, last = time.monotonic() + self.retry_s, None
+        for attempt in itertools.count():
             try:
                 async with self.session.request(method, self.url + path, json=body) as resp:
                     text = await resp.text()
@@ -51,18 +52,11 @@ class HttpEngine:
                     last = f"{resp.status} {text[:300]}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 last = f"{type(e).__name__}: {e}"
+            if time.monotonic() > deadline:
+                raise ServerError(f"{method} {self.url}{path} failed for {self.retry_s:.0f}s; last: {last}")
+            if attempt == 3:
+                print(f"{method} {self.url}{path}: {last}; retrying for up to {self.retry_s:.0f}s", flush=True)
             await asyncio.sleep(min(0.5 * 2 ** attempt, 8.0))
-        raise ServerError(f"{method} {self.url}{path} failed {self.retries} times; last: {last}")
-
-    def wait_ready(self, timeout_s: float = 300.0):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with contextlib.suppress(ServerError):  # one call retries for about 25 s, with backoff
-                if self.loop.run_until_complete(self._call("GET", "/health"))[0] == 200:
-                    return
-            print(f"waiting for {self.url}/health to answer 200 (up to {timeout_s:.0f}s)", flush=True)
-            time.sleep(5.0)  # a server that answers at once, but not 200, is said every 5 s, not in a tight loop
-        raise ServerError(f"no healthy server at {self.url} after {timeout_s:.0f}s (is it running? right --url?)")
 
     async def _load(self, name: str, path: str):
         status, text = await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})

@@ -125,7 +125,6 @@ def adapter_name(version: int) -> str:
 
 def test_http_engine_loads_versions_generates_and_unloads_old_names(fleet):
     engine = HttpEngine(fleet["proxy"], CLIENT, keep=2)
-    engine.wait_ready(timeout_s=30)
     for v in range(4):
         save_random_adapter(fleet["dir"] / adapter_name(v), r=2, seed=v)
         engine.load_adapter(v, str(fleet["dir"] / adapter_name(v)))
@@ -144,10 +143,36 @@ def test_http_engine_loads_versions_generates_and_unloads_old_names(fleet):
 
 
 def test_http_engine_fails_clearly_when_nothing_listens(fleet):
-    engine = HttpEngine(fleet["dead"], retries=2)
+    engine = HttpEngine(fleet["dead"], retry_s=1)
     with pytest.raises(ServerError, match=fleet["dead"]):
         engine.load_adapter(0, os.fspath(fleet["dir"]))
     engine.close()
+
+
+def test_http_engine_waits_for_a_server_that_starts_late(tmp_path, capsys):
+    """A generator started before its replica (vLLM takes minutes to start): the engine retries the refused
+    connections, says so once, and loads the adapter when the server comes up."""
+    import http.server
+
+    class Loads(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    port = free_port()
+    server = http.server.HTTPServer(("127.0.0.1", port), Loads, bind_and_activate=False)
+    threading.Timer(5.0, lambda: (server.server_bind(), server.server_activate(), server.serve_forever())).start()
+    engine = HttpEngine(f"http://127.0.0.1:{port}", retry_s=60)
+    try:
+        t0 = time.monotonic()
+        engine.load_adapter(0, str(tmp_path / "policy-late-v000000"))
+        assert engine.version == 0 and time.monotonic() - t0 >= 4.5
+        assert "retrying for up to 60s" in capsys.readouterr().out
+    finally:
+        engine.close()
+        server.shutdown()
 
 
 def roots(fleet, name):
