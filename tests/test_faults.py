@@ -99,7 +99,8 @@ def test_a_trainer_killed_at_each_fault_point_resumes_and_trains_every_group_exa
     assert versions == sorted(versions) and len(set(versions)) == 12
     # every group written was trained once, dropped once (and counted once), or is still waiting
     written, left, last = 8 * len(gen_records(run_dir, "g0")), len(Storage(run_dir).list("rollouts")), steps[-1]
-    assert written == len(ids) + last["sample/dropped_stale_total"] + last["sample/bad_total"] + left
+    dropped = last["sample/dropped_stale_total"] + last["sample/dropped_zero_std_total"]  # stale, and dapo's no-signal
+    assert written == len(ids) + dropped + last["sample/bad_total"] + left
 
 
 def test_a_second_trainer_is_refused_and_takes_over_once_the_first_is_dead(tmp_path):

@@ -116,7 +116,7 @@ def pause_and_take_over(tmp_path, point, pause_step=6, wake_after=1, steps=12, p
         "a_exit": a.returncode, "a_lost_lease": "lease lost" in open(log_a).read(), "trained_twice": len(ids) - len(set(ids)),
         "lineage": {s: e for s, (e, _) in records.items() if s} == {s: 1 if s <= from_step else 2 for s in range(1, steps + 1)},
         "trained": len(ids), "unaccounted": written - len(ids) - last.get("sample/dropped_stale_total", 0)
-        - last.get("sample/bad_total", 0) - left}
+        - last.get("sample/dropped_zero_std_total", 0) - last.get("sample/bad_total", 0) - left}
 
 
 def assert_fenced(audit: dict, steps=12):
