@@ -6,7 +6,6 @@ trainer reproduces exactly that number, so at version 0 the ratio is 1. Every en
     engine.load_adapter(version, path)        switch to a published adapter, between batches
     engine.generate(prompts, params)          -> list (per prompt) of lists (per sample) of Completion
 """
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -61,8 +60,6 @@ class TorchEngine:
         self.device = next(model.parameters()).device
         self.rng = torch.Generator(self.device).manual_seed(seed)  # for rows without a seed of their own
         self.version, self.digest = None, ""  # adapter version now loaded, and its digest
-        # transformers >= 5.24 takes the KV cache as `cache=`; the 5.20 line that vllm pins only `past_key_values=`
-        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def load_adapter(self, version: int, path: str):
         self.digest, self.version = load_adapter(self.model, path), version
@@ -72,7 +69,7 @@ class TorchEngine:
 
     def _forward(self, ids, mask, pos, cache):
         return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                          **{self.cache_kw: cache}).logits[:, -1].float()  # (B, V)
+                          cache=cache).logits[:, -1].float()  # (B, V)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params) -> list[list[Completion]]:

@@ -14,7 +14,6 @@ import aiohttp
 from minigrpo import protocol as P
 from minigrpo.engine import Completion, SamplingParams
 
-MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for --max-lora-rank
 
 
 class ServerError(RuntimeError):

@@ -22,11 +22,11 @@ from transformers import HfArgumentParser
 from minigrpo import protocol as P
 from minigrpo.lora import DEFAULT_TARGETS, inject_lora
 from minigrpo.model import load_model, pick_device, stop_token_ids
-from minigrpo.remote import MAX_LORA_RANKS
 from minigrpo.serve_sampling import ServerEngine, ServerParams
 from minigrpo.serve_scheduler import Adapter, Scheduler
 
 VERSION = "0.33.0+minigrpo"  # the vLLM API this server answers like
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for --max-lora-rank
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_FACTOR = 1e4  # largest temperature and repetition_penalty: logits are float32, and 1e308 would be inf there
 SAMPLING = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",

@@ -67,26 +67,6 @@ def test_left_padding_does_not_change_greedy_output():
         assert alone.token_ids == c.token_ids and torch.allclose(torch.tensor(alone.logprobs), torch.tensor(c.logprobs))
 
 
-class PastKeyValuesOnly(nn.Module):
-    """A model whose forward knows only `past_key_values`, as in the transformers 5.20 line vllm pins."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.inner = model
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None,
-                logits_to_keep=0):
-        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          cache=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep)
-
-
-def test_engine_works_with_either_cache_keyword():
-    model = tiny_model()
-    new, old = engine_for(model), engine_for(PastKeyValuesOnly(model))
-    assert (new.cache_kw, old.cache_kw) == ("cache", "past_key_values")
-    assert new.generate(PROMPTS, SP(n=2, max_tokens=6, seed=5)) == old.generate(PROMPTS, SP(n=2, max_tokens=6, seed=5))
-
-
 def test_entropy_of_a_uniform_distribution_is_log_vocab():
     uniform = tiny_model(vocab=4).requires_grad_(False)
     nn.init.zeros_(uniform.lm_head.weight)  # every logit 0
