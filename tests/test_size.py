@@ -10,10 +10,10 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("train.py", "generate.py", "proxy.py")
 # Ceilings in non-blank lines: the core, the side rooms together, any one file. The core's budget is 2,100 (goal
-# 2,000). Fencing and real vLLM left it at 2,349; the cuts so far, less the trackers and the grader record (which
-# added 41), bring it to 2,287, which is this ceiling: the core may only shrink, and each cut should lower it. The
-# README's "The files" lists what else would have to go to reach the budget.
-CORE, SIDE, FILE = 2287, 700, 400
+# 2,000). It stands at 2,168 after the in-process vLLM engine, the KL penalty and top_p (now the server's) went;
+# this ceiling is that count, so the core may only shrink, and each cut should lower it. The README's "The files"
+# lists what else would have to go to reach the budget.
+CORE, SIDE, FILE = 2168, 700, 400
 
 
 def nonblank(path: str) -> int:
