@@ -49,7 +49,7 @@ class GenerateConfig:
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the trainer)"})
     poll_s: float = field(default=0.02, metadata={"help": "how often to look at LATEST, rollouts/ and DONE while waiting"})
     max_batches: int = field(default=0, metadata={"help": "stop after this many batches (0: until DONE)"})
-    lockstep: bool = field(default=False, metadata={"help": "synchronous GRPO, to compare: one step's groups a version"})
+    lockstep: bool = field(default=False, metadata={"help": "synchronous GRPO (exact with --loss_type grpo)"})
     report_to: Literal["none", "trackio", "wandb"] = field(default="none", metadata={"help": "also log to a tracker"})
     tracker_project: str = field(default="minigrpo", metadata={"help": "--report_to: the tracker's project"})
 

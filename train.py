@@ -82,7 +82,7 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
 # ---------------------------------------------------------------------------------------------------------------
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
     """Block until cfg.groups_per_step fresh groups are taken (stale and, for dapo, zero-std ones are consumed and
-    counted). While it waits, the lease says so every second: a generator may be waiting for room, and a lock-step
+    counted). While it waits, the lease says so every 5 polls: a generator may be waiting for room, and a lock-step
     one makes a dropped group's worth more. (groups, wait s)"""
     t0, last_seen, told, groups, taken_n = time.time(), time.time(), 0.0, [], 0
     while len(groups) < cfg.groups_per_step:
@@ -102,7 +102,7 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
                              f"is generate.py running with --run_dir {cfg.run_dir}?")
         else:
             time.sleep(buffer.storage.poll_s)
-        if len(groups) < cfg.groups_per_step and time.time() - told > 1.0:
+        if len(groups) < cfg.groups_per_step and time.time() - told > 5 * buffer.storage.poll_s:
             want = cfg.groups_per_step + taken_n - len(groups)  # this step's groups, and one for each dropped
             lease.write(**buffer.progress(lease.timeout_s), groups_per_step=want)  # the generators' backpressure
             told = time.time()
