@@ -66,7 +66,7 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "base weights (LoRA, loss: "
                                                   "float32); no float16: without loss scaling its gradients underflow"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the generator)"})
-    wait_timeout_s: float = field(default=600.0, metadata={"help": "fail if no rollout arrives for this long"})
+    wait_timeout_s: float = field(default=600.0, metadata={"help": "fail if no group to learn from arrives this long"})
     lease_timeout_s: float = field(default=60.0, metadata={"help": "another trainer takes the run over once the "
                                    "owner's heartbeat (RUN/owner.json) is this old, or at once if it died on this host"})
     allow_new_settings: bool = field(default=False, metadata={"help": "resume with other training settings (lr, ...)"})
@@ -82,12 +82,11 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
 # ---------------------------------------------------------------------------------------------------------------
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
     """Block until cfg.groups_per_step fresh groups are taken (stale and, for dapo, zero-std ones are consumed and
-    counted). While it waits, the lease says so every 5 polls: a generator may be waiting for room, and a lock-step
-    one makes a dropped group's worth more. (groups, wait s)"""
+    counted); every 5 polls the lease says what waits, and asks for one more group per dropped one. (groups, wait s)"""
     t0, last_seen, told, groups, taken_n = time.time(), time.time(), 0.0, [], 0
     while len(groups) < cfg.groups_per_step:
         taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
-        taken_n += len(taken)
+        taken_n, kept = taken_n + len(taken), len(groups)
         for g in taken:
             if not run.is_fresh(version, g.policy_version):
                 stats["dropped_stale_total"] += 1
@@ -95,12 +94,12 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
                 stats["dropped_zero_std_total"] += 1
             else:
                 groups.append(g)
-        if taken:
+        if len(groups) > kept:  # one to learn from: a dapo policy that gets every sample alike right or wrong has none
             last_seen = time.time()
         elif time.time() - last_seen > cfg.wait_timeout_s:
-            raise SystemExit(f"no rollouts arrived in {buffer.storage.url('rollouts')} for {cfg.wait_timeout_s:.0f}s: "
-                             f"is generate.py running with --run_dir {cfg.run_dir}?")
-        else:
+            raise SystemExit(f"no fresh group with unequal rewards in {buffer.storage.url('rollouts')} for "
+                             f"{cfg.wait_timeout_s:.0f}s: is generate.py running with --run_dir {cfg.run_dir}? {stats}")
+        if not taken:
             time.sleep(buffer.storage.poll_s)
         if len(groups) < cfg.groups_per_step and time.time() - told > 5 * buffer.storage.poll_s:
             want = cfg.groups_per_step + taken_n - len(groups)  # this step's groups, and one for each dropped

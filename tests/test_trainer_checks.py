@@ -71,6 +71,26 @@ def test_a_sampler_that_served_other_weights_under_the_trainers_version_is_repor
     assert record["sample/policy_mismatch"] == 16 and record["sample/policy_mismatch_total"] == 16
 
 
+def test_a_dapo_run_with_nothing_to_learn_from_stops_with_a_clear_line(tmp_path):
+    """Every group has equal rewards (a collapsed or saturated policy): dapo drops them all, and after --wait_timeout_s
+    without a group to learn from (however many others arrive) the trainer stops, naming why and what it dropped."""
+    run_dir = str(tmp_path / "run")
+    store = publish_v0(run_dir)
+    subprocess.run([sys.executable, "generate.py", "--run_dir", run_dir, "--max_batches", "2"], cwd=ROOT,
+                   check=True, capture_output=True, timeout=300)
+    storage = Storage(run_dir)
+    groups = [read_group(storage.get(f"rollouts/{f}"), f.removesuffix(".safetensors")) for f in storage.list("rollouts")]
+    storage.delete([f"rollouts/{f}" for f in storage.list("rollouts")])
+    for g in groups:
+        g.rewards = [0.0] * len(g.rewards)
+    RolloutBuffer(store.storage).write(groups, "flat", 0)
+    out = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", "1", "--groups_per_step",
+                          "4", "--eval_every", "1000", "--eval_size", "8", "--wait_timeout_s", "3"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "no fresh group with unequal rewards" in out.stderr, out.stderr[-2000:]
+    assert "'dropped_zero_std_total': 16" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_chunked_evaluation_is_one_batch_to_the_bit():
     model, tokenizer = load_model("demo", torch.device("cpu"))
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
