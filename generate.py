@@ -96,10 +96,11 @@ def main():
     engine, tokenizer = make_engine(cfg, run, seed=rng.getrandbits(63))
     sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
     task, buffer, store = make_task(run), RolloutBuffer(storage), AdapterStore(storage, meta["run_id"])
+    shown = asdict(cfg) | {"api_key": "***" if cfg.api_key else ""}  # a secret: neither printed nor tracked
     metrics = Metrics(storage, f"generate-{gen_id}", tracker(cfg.report_to, cfg.tracker_project,
-                      f"{meta['run_id']}-generate-{gen_id}", asdict(run) | asdict(cfg) | {"api_key": ""}))  # a secret
+                      f"{meta['run_id']}-generate-{gen_id}", asdict(run) | shown))
     print(f"generator {gen_id} ({cfg.engine} engine): {cfg.prompts_per_batch} prompts x G={run.group_size} = "
-          f"{cfg.prompts_per_batch * run.group_size} completions per batch\n  {asdict(run)}\n  {asdict(cfg)}", flush=True)
+          f"{cfg.prompts_per_batch * run.group_size} completions per batch\n  {asdict(run)}\n  {shown}", flush=True)
 
     if meta.get("grader") and meta["grader"] != task.grader:  # rewards from two graders would mix in one run
         raise SystemExit(f"this generator grades with {task.grader}, the run with {meta['grader']}: install the same")

@@ -15,7 +15,6 @@ from minigrpo import protocol as P
 from minigrpo.engine import Completion, SamplingParams
 
 
-
 class ServerError(RuntimeError):
     pass
 
