@@ -97,8 +97,8 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
         if len(groups) > kept:  # one to learn from: a dapo policy that gets every sample alike right or wrong has none
             last_seen = time.time()
         elif time.time() - last_seen > cfg.wait_timeout_s:
-            raise SystemExit(f"no fresh group with unequal rewards in {buffer.storage.url('rollouts')} for "
-                             f"{cfg.wait_timeout_s:.0f}s: is generate.py running with --run_dir {cfg.run_dir}? {stats}")
+            raise SystemExit(f"no fresh group to learn from (dapo: unequal rewards) in {buffer.storage.url('rollouts')}"
+                             f" for {cfg.wait_timeout_s:.0f}s: is generate.py running with this --run_dir? {stats}")
         if not taken:
             time.sleep(buffer.storage.poll_s)
         if len(groups) < cfg.groups_per_step and time.time() - told > 5 * buffer.storage.poll_s:

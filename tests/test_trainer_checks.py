@@ -87,7 +87,7 @@ def test_a_dapo_run_with_nothing_to_learn_from_stops_with_a_clear_line(tmp_path)
     out = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", "1", "--groups_per_step",
                           "4", "--eval_every", "1000", "--eval_size", "8", "--wait_timeout_s", "3"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
-    assert out.returncode == 1 and "no fresh group with unequal rewards" in out.stderr, out.stderr[-2000:]
+    assert out.returncode == 1 and "no fresh group to learn from (dapo: unequal rewards)" in out.stderr, out.stderr[-2000:]
     assert "'dropped_zero_std_total': 16" in out.stderr and "Traceback" not in out.stderr
 
 
