@@ -23,17 +23,19 @@ STEPS = 100  # of the default 32 groups
 def demo_run(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("e2e") / "run")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "g0"], cwd=ROOT,
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = f"{run_dir}.generate.log"  # a file: a pipe nobody reads fills up and stops the generator mid-print
+    with open(log, "w") as out:
+        gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "g0"], cwd=ROOT,
+                               env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         train = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", str(STEPS),
                                 "--eval_every", "50", "--save_every", "25"], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=600)
-        gen_out, _ = gen.communicate(timeout=60)  # the generator must exit by itself once DONE appears
+        gen.wait(timeout=60)  # the generator must exit by itself once DONE appears
     finally:
         gen.kill()
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
-    assert gen.returncode == 0, gen_out[-3000:]
+    assert gen.returncode == 0, open(log).read()[-3000:]
     return run_dir
 
 

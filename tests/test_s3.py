@@ -12,19 +12,21 @@ from minigrpo.rollouts import read_group
 from minigrpo.storage import Storage
 
 
-def test_the_demo_runs_on_s3_and_trains_every_group_exactly_once(s3_bucket):
+def test_the_demo_runs_on_s3_and_trains_every_group_exactly_once(s3_bucket, tmp_path):
     run_dir = f"{s3_bucket}/run"
-    gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "g0"], cwd=ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "generate.log"  # a file: a pipe nobody reads fills up and stops the generator mid-print
+    with open(log, "w") as out:
+        gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "g0"], cwd=ROOT,
+                               stdout=out, stderr=subprocess.STDOUT)
     try:
         train = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", "20", "--save_every",
                                 "5", "--eval_every", "100", "--eval_size", "50", "--groups_per_step", "8"], cwd=ROOT,
                                capture_output=True, text=True, timeout=300)
-        gen_out, _ = gen.communicate(timeout=120)
+        gen.wait(timeout=120)
     finally:
         gen.kill()
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
-    assert gen.returncode == 0, gen_out[-3000:]
+    assert gen.returncode == 0, log.read_text()[-3000:]
     steps = train_records(run_dir)
     ids = [g for r in steps for g in r["group_ids"]]
     assert [r["step"] for r in steps] == list(range(1, 21)) and len(ids) == len(set(ids)) == 20 * 8
