@@ -1,7 +1,7 @@
 """The built-in generation engine (CPU or GPU): batched sampling over the LoRA-wrapped model with a KV cache. For
 every sampled token it returns the behaviour log-probability, under the distribution it was actually drawn from:
 log softmax(logits / temperature) in float32, as `vllm serve --logprobs-mode processed_logprobs` reports it. The
-trainer reproduces exactly that number, so at version 0 the ratio is 1. Every engine (remote.py has the others) offers:
+trainer reproduces exactly that number, so at version 0 the ratio is 1. Both engines (remote.py: http) offer:
 
     engine.load_adapter(version, path)        switch to a published adapter, between batches
     engine.generate(prompts, params)          -> list (per prompt) of lists (per sample) of Completion

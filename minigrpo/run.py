@@ -42,7 +42,7 @@ class RunSettings:
         return trainer_version - policy_version <= self.max_staleness
 
 
-# Recipes as flags (README, "Real models"). Each script applies the flags its own config has; later flags win.
+# Recipes as flags (README, "Real models"). Each script takes those its own config has; a flag given still wins.
 PRESETS = {"qwen-math-1.5b": dict(  # the blog's run: Dr. GRPO with truncated IS at 2 (the oat / "off-policy RL" recipe)
     model="Qwen/Qwen2.5-Math-1.5B", task="math", lora_r=1, lora_alpha=2.0, group_size=8, max_new_tokens=3000,
     temperature=1.0, lr=4e-5, groups_per_step=16, max_staleness=4, sync_every=4, loss_type="dr_grpo",
