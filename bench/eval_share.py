@@ -1,9 +1,9 @@
 """How long an evaluation stops training: train.py's evaluate() (the trainer's own TorchEngine samples one completion
 per held-out problem, --eval_batch_size at a time, while training waits) against one train_step(), measured on this CPU
-at small shapes, then scaled to the math presets (qwen-math-1.5b: max_new_tokens 3000; r1-distill-1.5b: 8192; both
-eval_size 500, eval_every 50, 500 steps, 16 groups x G=8) with the trainer on one H100-class GPU.
+at small shapes, then scaled to the README's math recipes (qwen-math-1.5b: max_new_tokens 3000; r1-distill-1.5b: 8192;
+both eval_size 500, eval_every 50, 500 steps, 16 groups x G=8) with the trainer on one H100-class GPU.
 
-1. evaluate() vs train_step() (the preset's loss: dr_grpo, --old_logp recompute, LoRA r=1, micro-batches of 16,384
+1. evaluate() vs train_step() (the recipes' loss: dr_grpo, --old_logp recompute, LoRA r=1, micro-batches of 16,384
    tokens), float32, 1 thread (train.py's default), 3 interleaved repeats, mean +- sd: the demo model (stops at EOS)
    and two random Qwen2-shaped models (vocabulary 32,000, never say EOS, so every completion runs to max_new_tokens),
    at max_new_tokens M in {16, 64, 256}, 32 held-out problems, --eval_batch_size B in {8, 32}; train_step on 2 groups
@@ -16,7 +16,7 @@ eval_size 500, eval_every 50, 500 steps, 16 groups x G=8) with the trainer on on
    that compute is ~0 and what is left is Python + op dispatch, the part that bounds HF-style per-token decoding on a
    GPU; the per-row cost of evaluate()'s per-problem seeds (one torch.rand per row per step); and the context term c,
    from each forward's time over one 768-token batch of 16 rows (DynamicCache copies the whole cache every step).
-3. The scaling to the presets (SCALING below: every assumption, low and high): T_eval by the formula above with GPU
+3. The scaling to the recipes (SCALING below: every assumption, low and high): T_eval by the formula above with GPU
    values of a, b, c; a step's wall time bound by the trainer (4N FLOPs per trained token at an MFU) or by 1 or 4 vLLM
    generator GPUs, which keep sampling into the --max_ready buffer while the trainer evaluates; the share = the
    evaluations' lost time / (the steps' time + the evaluations' lost time), low - high (central).
@@ -94,7 +94,7 @@ def features(batches) -> list[float]:
 
 def measure(name: str, path: str, lengths, eval_batches) -> tuple[list, list]:
     model, tokenizer = load_model(path, torch.device("cpu"))
-    inject_lora(model, 1, 2.0)  # the presets' rank-1 adapter
+    inject_lora(model, 1, 2.0)  # the recipes' rank-1 adapter
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=4e-5)
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
@@ -198,7 +198,7 @@ def dispatch_overhead(work: str) -> dict:
             "implied_GB_s_at_1x_kv": kv_bytes / slope / 1e9}
 
 
-# ---- 3. scaling to the presets: every assumption, (low, high) ----
+# ---- 3. scaling to the recipes: every assumption, (low, high) ----
 SCALING = {
     "eval_size": 500, "eval_batch_size": 256, "eval_every": 50, "max_steps": 500, "completions_per_step": 16 * 8,
     "prompt_tokens": (100, 200),  # a MATH problem in the chat template

@@ -1,7 +1,6 @@
 """The run: the settings every process must agree on (RUN/run.json), the trainer's lease (RUN/owner.json), the
 metrics records (RUN/metrics/) and the fault points the crash tests use. All of it goes through storage.py.
 """
-import argparse
 import contextlib
 import json
 import os
@@ -11,7 +10,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from transformers import HfArgumentParser
 
@@ -42,25 +41,8 @@ class RunSettings:
         return trainer_version - policy_version <= self.max_staleness
 
 
-# Recipes as flags (README, "Real models"). Each script takes those its own config has; a flag given still wins.
-PRESETS = {"qwen-math-1.5b": dict(  # the blog's run: Dr. GRPO with truncated IS at 2 (the oat / "off-policy RL" recipe)
-    model="Qwen/Qwen2.5-Math-1.5B", task="math", lora_r=1, lora_alpha=2.0, group_size=8, max_new_tokens=3000,
-    temperature=1.0, lr=4e-5, groups_per_step=16, max_staleness=4, sync_every=4, loss_type="dr_grpo",
-    old_logp="recompute", tis_cap=2.0, dtype="bfloat16", micro_batch_tokens=16384, eval_every=50, eval_size=500,
-    max_steps=500)}
-PRESETS["r1-distill-1.5b"] = PRESETS["qwen-math-1.5b"] | dict(  # the same for a reasoning model: grade after </think>
-    model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", reasoning=True, max_new_tokens=8192)
-
-
 def parse_config(*types, argv=None):
-    """HfArgumentParser over the dataclasses; --preset NAME makes the recipe's values the defaults, so flags win."""
-    preset = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    preset.add_argument("--preset", choices=sorted(PRESETS))
-    chosen, argv = preset.parse_known_args(argv)
-    parser = HfArgumentParser(types, epilog=f"--preset NAME applies a recipe first: {', '.join(sorted(PRESETS))}")
-    known = {f.name for t in types for f in fields(t)}
-    parser.set_defaults(**{k: v for k, v in PRESETS.get(chosen.preset, {}).items() if k in known})
-    return parser.parse_args_into_dataclasses(argv)
+    return HfArgumentParser(types).parse_args_into_dataclasses(argv)
 
 
 FAULTS = [f.split(":") for f in os.environ.get("MINIGRPO_FAULT", "").split(",") if f]  # for the crash tests; read once
@@ -284,7 +266,3 @@ def read_records(storage, name: str, bad: list | None = None) -> list[dict]:
             if line.strip() and bad is not None:
                 bad.append(f"{f}: {line[:60]!r}")
     return records
-
-
-def latest_per_step(records: list[dict]) -> dict[int, dict]:
-    return {r["step"]: r for r in records if type(r.get("step")) is int}  # in order: the last one of a step stands

@@ -21,8 +21,9 @@ from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpo
 from minigrpo.lora import DEFAULT_TARGETS, adapter_config, adapter_digest, inject_lora, lora_layers, lora_state_dict
 from minigrpo.rollouts import (AttributionError, Group, Ledger, RolloutBuffer, check_group, group_key, read_group,
                                to_tensors)
-from minigrpo.run import (Lease, Metrics, RunSettings, create_run, join_run, latest_per_step, lease_view, parse_config,
+from minigrpo.run import (Lease, Metrics, RunSettings, create_run, join_run, lease_view, parse_config,
                           read_records)
+from minigrpo.plot import latest_per_step
 from minigrpo.storage import Storage
 
 RUN = {"group_size": 4, "temperature": 1.0, "max_prompt_len": 8, "max_new_tokens": 3}
@@ -58,17 +59,12 @@ def test_storage_puts_gets_lists_and_deletes_whole_objects(storage):
     assert got[0] == b"\x00\x01" and isinstance(got[1], FileNotFoundError) and got[2] == b"z"
 
 
-def test_local_temp_files_are_invisible_and_swept_when_old(tmp_path):
-    storage = Storage(str(tmp_path))
-    storage.put("rollouts/g-000000.safetensors", b"x")
-    temp = tmp_path / "rollouts" / ".g-000001.safetensors.1234abcd.tmp"
-    temp.write_bytes(b"half")
-    assert storage.list("rollouts") == ["g-000000.safetensors"]
-    storage.sweep_temps("rollouts", max_age_s=60)
-    assert temp.exists()
-    os.utime(temp, (time.time() - 120, time.time() - 120))
-    storage.sweep_temps("rollouts", max_age_s=60)
-    assert not temp.exists()
+def test_a_killed_writers_temp_file_is_invisible_and_never_read(tmp_path):
+    storage, buffer = Storage(str(tmp_path)), RolloutBuffer(Storage(str(tmp_path)))
+    good, = buffer.write([make_group()], "g", seq=0)
+    (tmp_path / "rollouts" / ".1234abcd5678.tmp").write_bytes(b"half")  # what a SIGKILL inside put() leaves
+    assert storage.list("rollouts") == [f"{good}.safetensors"]
+    assert [g.group_id for g in buffer.take(5, Ledger())] == [good] and not storage.list("bad")
 
 
 def test_local_storage_never_follows_a_symlink_or_opens_a_fifo(tmp_path):
@@ -404,17 +400,15 @@ def test_metrics_are_written_in_segments_and_the_newest_lifes_record_of_a_step_s
     assert {s: r["life"] for s, r in latest_per_step(records).items()} == {1: 1, 2: 2, 3: 2}
 
 
-def test_presets_give_both_scripts_the_same_run_settings_and_flags_still_win(capsys):
+def test_both_scripts_parse_the_same_run_settings_and_refuse_an_unknown_choice(capsys):
     from generate import GenerateConfig
     from train import TrainConfig
-    run_t, cfg = parse_config(RunSettings, TrainConfig, argv=["--preset", "qwen-math-1.5b", "--lr", "1e-5"])
-    run_g, gen = parse_config(RunSettings, GenerateConfig, argv=["--preset", "qwen-math-1.5b", "--engine", "http"])
-    assert run_t == run_g and (run_t.lora_r, run_t.lora_alpha, run_t.group_size, run_t.max_new_tokens) == (1, 2, 8, 3000)
-    assert (cfg.lr, cfg.loss_type, cfg.tis_cap, cfg.sync_every, cfg.groups_per_step * run_t.group_size) == (1e-5, "dr_grpo", 2.0, 4, 128)
-    assert gen.engine == "http" and parse_config(RunSettings, TrainConfig, argv=["--preset", "r1-distill-1.5b"])[0].reasoning
-    with pytest.raises(SystemExit):
-        parse_config(RunSettings, TrainConfig, argv=["--preset", "nope"])
-    assert "--preset: invalid choice: 'nope'" in capsys.readouterr().err
+    shared = ["--model", "Qwen/Qwen2.5-Math-1.5B", "--task", "math", "--lora_r", "1", "--max_new_tokens", "3000"]
+    run_t, cfg = parse_config(RunSettings, TrainConfig, argv=shared + ["--lr", "1e-5", "--old_logp", "recompute"])
+    run_g, gen = parse_config(RunSettings, GenerateConfig, argv=shared + ["--engine", "http"])
+    assert run_t == run_g and (run_t.lora_r, run_t.max_new_tokens, cfg.lr, cfg.tis_cap, gen.engine) == (1, 3000, 1e-5, 2.0, "http")
+    with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--engine', 'http'\]"):
+        parse_config(RunSettings, TrainConfig, argv=["--lr", "1e-5", "--engine", "http"])  # a generator's flag
     with pytest.raises(SystemExit):  # vLLM runs as `vllm serve`, reached with --engine http
         parse_config(RunSettings, GenerateConfig, argv=["--engine", "vllm"])
     assert "--engine: invalid choice: 'vllm' (choose from 'torch', 'http')" in capsys.readouterr().err
