@@ -86,7 +86,8 @@ def run_one(rank: int, seed: int, args, out: str) -> dict:
     """train.py + generate.py on a fresh run directory until train.py is done; returns the run's summary."""
     from safetensors import safe_open
 
-    from minigrpo.run import latest_per_step, read_records
+    from minigrpo.plot import latest_per_step
+    from minigrpo.run import read_records
     from minigrpo.storage import Storage
     run_dir = os.path.join(out, "run")
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -59,11 +59,12 @@ grep -E "^(step|resumed|trainer on)" "$work/train.log" | cut -c1-200
 python - "$work" <<'EOF'
 import json, sys
 import torch
-from minigrpo.run import latest_per_step, read_records
+from minigrpo.run import read_records
 from minigrpo.storage import Storage
 from safetensors import safe_open
 storage = Storage(f"{sys.argv[1]}/run")
-steps = [r for s, r in sorted(latest_per_step(read_records(storage, "train")).items()) if s > 0]
+by_step = {r["step"]: r for r in read_records(storage, "train") if type(r.get("step")) is int}  # the newest life's
+steps = [by_step[s] for s in sorted(by_step) if s > 0]
 with open(f"{sys.argv[1]}/model/config.json") as f:
     c = json.load(f)
 n = sum(p for p in (c["vocab_size"] * c["hidden_size"] * 2, c["num_hidden_layers"] * (

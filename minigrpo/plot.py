@@ -7,8 +7,12 @@ import argparse
 import numpy as np
 from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global figure to close
 
-from minigrpo.run import latest_per_step, read_records
+from minigrpo.run import read_records
 from minigrpo.storage import Storage
+
+
+def latest_per_step(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in records if type(r.get("step")) is int}  # in order: the last one of a step stands
 
 
 def right_axis(panel, title: str, curves: list[tuple], loc="upper right"):

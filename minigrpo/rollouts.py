@@ -183,7 +183,6 @@ class RolloutBuffer:
         if keys and fault_step is not None:
             fault("mid_gc", fault_step)
         fenced(self.storage.delete, keys[len(keys) // 2:])
-        self.storage.sweep_temps("rollouts")  # half-written files of generators that were killed
 
 
 def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_of=None):

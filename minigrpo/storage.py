@@ -3,13 +3,11 @@ whole objects only (README, "The run directory"). On a local disk get() reads on
 can neither hang a reader nor point it outside the run. Any failure of the store is an OSError naming the object."""
 import contextlib
 import fcntl
-import glob
 import hashlib
 import os
 import shutil
 import stat
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -155,13 +153,6 @@ class Storage:
                 elif stat.S_ISDIR(os.lstat(path := f"{self.root}/{batch[0]}").st_mode):
                     shutil.rmtree(path)
                 else:
-                    os.remove(path)
-
-    def sweep_temps(self, prefix: str, max_age_s: float = 300.0):
-        """Local disks only: remove temp files older than max_age_s that a killed writer left behind."""
-        for path in (glob.glob(f"{glob.escape(self.root)}/{prefix}/.*.tmp") if self.local else []):
-            with contextlib.suppress(FileNotFoundError):  # another process got there first
-                if time.time() - os.lstat(path).st_mtime > max_age_s:
                     os.remove(path)
 
 

@@ -110,14 +110,16 @@ def save_random_adapter(path, r=2, alpha=4.0, seed=0, targets=None, use_rslora=F
 # ---- run directories ----
 def train_records(run_dir: str) -> list[dict]:
     """The trainer's step records that stand (a step redone after a crash: its last record), steps 1.."""
-    from minigrpo.run import latest_per_step, read_records
+    from minigrpo.plot import latest_per_step
+    from minigrpo.run import read_records
     from minigrpo.storage import Storage
     by_step = latest_per_step(read_records(Storage(run_dir), "train"))
     return [by_step[s] for s in sorted(by_step) if s > 0]
 
 
 def eval_records(run_dir: str) -> list[dict]:
-    from minigrpo.run import latest_per_step, read_records
+    from minigrpo.plot import latest_per_step
+    from minigrpo.run import read_records
     from minigrpo.storage import Storage
     by_step = latest_per_step(read_records(Storage(run_dir), "train"))
     return [by_step[s] for s in sorted(by_step) if "eval/accuracy" in by_step[s]]
