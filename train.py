@@ -101,9 +101,8 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
                              f" for {cfg.wait_timeout_s:.0f}s: is generate.py running with this --run_dir? {stats}")
         if not taken:
             time.sleep(buffer.storage.poll_s)
-        if len(groups) < cfg.groups_per_step and time.time() - told > 5 * buffer.storage.poll_s:
-            want = cfg.groups_per_step + taken_n - len(groups)  # this step's groups, and one for each dropped
-            lease.write(**buffer.progress(lease.timeout_s), groups_per_step=want)  # the generators' backpressure
+        if len(groups) < cfg.groups_per_step and time.time() - told > 5 * buffer.storage.poll_s:  # backpressure
+            lease.write(**buffer.progress(lease.timeout_s), groups_per_step=cfg.groups_per_step + taken_n - len(groups))
             told = time.time()
     return groups, time.time() - t0
 
@@ -138,8 +137,7 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
     for mb in mbs:
         inputs, batch = collate(mb, device, len(samples), num_tokens)
         logp, entropy = packed_logprobs(model, *inputs, run.temperature)  # (b, L-1) each
-        if cfg.old_logp == "recompute":  # pi_old: the weights before this step's update, i.e. these, so the
-            # ratio is 1 and the clip never acts: the truncated IS weight pi_old / mu is the off-policy control
+        if cfg.old_logp == "recompute":  # pi_old = these weights: ratio 1, the truncated IS weight is the control
             batch.old = logp.detach()
         loss, m = grpo_loss(logp, batch, cfg, run.max_new_tokens)
         loss.backward()
@@ -230,12 +228,11 @@ def resume(storage, model, optimizer, cfg, committed) -> dict | None:
     if state is None and any("damaged" in s for s in skipped):
         raise SystemExit(f"no intact checkpoint in {storage.url('checkpoints')} (see above); restore one or start a "
                          f"new run with another --run_dir")
-    if state is None:
-        return None
-    if (changed := check_settings(state["config"], cfg)) and not cfg.allow_new_settings:
+    if state and (changed := check_settings(state["config"], cfg)) and not cfg.allow_new_settings:
         raise SystemExit("resuming with other training settings than the checkpoint's:\n  " + "\n  ".join(changed) +
                          "\nuse the same flags, or pass --allow_new_settings true to change them on purpose")
-    print(f"resumed from {storage.url('checkpoints/' + state['name'])} (step {state['step']})", flush=True)
+    if state:
+        print(f"resumed from {storage.url('checkpoints/' + state['name'])} (step {state['step']})", flush=True)
     return state
 
 
@@ -271,8 +268,7 @@ def main():
     for p in params if world > 1 else []:  # rank 0's weights on every rank (a resume loaded them there)
         dist.broadcast(p.data, src=0)
     if rank > 0:  # the other ranks only compute: rank 0 reads groups, publishes, checkpoints and logs
-        while step < cfg.max_steps:
-            step += 1
+        for _ in range(step, cfg.max_steps):  # one train_step for each of rank 0's
             train_step(model, optimizer, share(None, waiting), run, cfg, device, rank, world)
         dist.destroy_process_group()
         return
@@ -295,8 +291,7 @@ def main():
         metrics.log({"step": 0, "eval/accuracy": acc, "version": version, "time": time.time()},
                     f"step 0/{cfg.max_steps} | eval/accuracy {acc:.3f} (n={len(eval_problems)})")
 
-    while step < cfg.max_steps:
-        step += 1
+    for step in range(step + 1, cfg.max_steps + 1):
         t0 = time.time()
         validate = partial(check_group, run=meta, vocab_size=model.config.vocab_size, version=version,
                            digest_of=store.digest)

@@ -57,7 +57,6 @@ class LossConfig:
 
 @dataclass
 class Batch:
-    """What the loss takes besides the trainer's log-probs: per token (B, T), per sequence (B,)."""
     behav: torch.Tensor  # (B, T) mu: the sampler's log-probs of the sampled tokens
     adv: torch.Tensor  # (B,) advantages
     mask: torch.Tensor  # (B, T) 1 on completion tokens, 0 on the prompt and past the end
@@ -69,16 +68,14 @@ class Batch:
 def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens: int | None = None):
     """logp (B, T): the trainer's log-probs, the only input with a gradient. Returns (loss, metrics)."""
     mask = batch.mask.to(logp.dtype)
-    behav_logp, adv = batch.behav.detach(), batch.adv.detach()
+    behav_logp, A = batch.behav.detach(), batch.adv.detach()[:, None].to(logp.dtype)  # (B, T), (B, 1)
     old_logp = behav_logp if batch.old is None else batch.old.detach()
     ratio = torch.exp((logp - old_logp) * mask)  # (B, T); its log is 0 on padding, so it stays finite
-    A = adv[:, None].to(logp.dtype)  # (B, 1)
     surrogate = torch.min(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)  # (B, T)
-    w = torch.ones_like(logp)
+    per_token = -surrogate  # (B, T) l_t with w = 1
     if cfg.tis_cap is not None:  # truncated importance sampling, per token, without gradient
         is_ratio = torch.exp((old_logp - behav_logp) * mask)  # (B, T) pi_old / mu
-        w = is_ratio.clamp(max=cfg.tis_cap)
-    per_token = -w * surrogate  # (B, T)
+        per_token = is_ratio.clamp(max=cfg.tis_cap) * per_token  # l_t = -w * min(...)
 
     num_seqs = batch.num_seqs or logp.shape[0]
     if cfg.loss_type == "grpo":
@@ -90,8 +87,7 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
 
     with torch.no_grad():  # health signals over valid tokens
         valid = mask.bool()
-        r = ratio[valid]
-        A_tok = A.expand_as(ratio)[valid]
+        r, A_tok = ratio[valid], A.expand_as(ratio)[valid]  # (N,) each
         metrics = {"tokens": valid.sum().item(),
                    "ratio/mean": r.mean().item(), "ratio/min": r.min().item(), "ratio/max": r.max().item(),
                    "clip_ratio/low": ((r < 1 - cfg.eps_low) & (A_tok < 0)).float().mean().item(),
@@ -115,10 +111,9 @@ def combine_metrics(parts: list[dict]) -> dict:
     """Merge per-micro-batch metrics: */min and */max by min and max, the rest token-weighted means."""
     out = {"tokens": sum(p["tokens"] for p in parts)}
     for key in parts[0]:
-        values = [p[key] for p in parts]
         if key.endswith(("/min", "/max")):
-            out[key] = (min if key.endswith("/min") else max)(values)
+            out[key] = (min if key.endswith("/min") else max)(p[key] for p in parts)
         elif key != "tokens":
-            out[key] = sum(v * p["tokens"] for v, p in zip(values, parts)) / max(out["tokens"], 1)
+            out[key] = sum(p[key] * p["tokens"] for p in parts) / max(out["tokens"], 1)
     out["health/ess_frac"] = out["health/v_mean"] ** 2 / max(out.pop("health/v_sq_mean"), 1e-30)  # ESS / N, all parts
     return out

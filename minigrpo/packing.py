@@ -47,7 +47,7 @@ def collate(samples, device, num_seqs=None, num_tokens=None):
     B, T = len(samples), max(len(s.behav) for s in samples)
     ids, pos, prompt = [], [], None
     where, targets = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
-    mask, behav = torch.zeros(B, T), torch.zeros(B, T)
+    mask, behav, adv = torch.zeros(B, T), torch.zeros(B, T), torch.tensor([s.adv for s in samples])  # adv (B,)
     for i, s in enumerate(samples):
         P, completion = s.prompt_len, s.ids[s.prompt_len:]
         if s.ids[:P] != prompt:  # a new prompt
@@ -57,6 +57,5 @@ def collate(samples, device, num_seqs=None, num_tokens=None):
         where[i, :n] = torch.tensor([last] + list(range(len(ids), len(ids) + n - 1)))[:n]
         targets[i, :n], mask[i, :n], behav[i, :n] = torch.tensor(completion), 1, torch.tensor(s.behav)
         ids, pos = ids + completion, pos + list(range(P, P + n))
-    adv = torch.tensor([s.adv for s in samples])
     batch = Batch(behav.to(device), adv.to(device), mask.to(device), num_seqs=num_seqs, num_tokens=num_tokens)
     return tuple(t.to(device) for t in (torch.tensor([ids]), torch.tensor([pos]), where, targets)), batch
