@@ -7,7 +7,6 @@ step"). It shares nothing with the trainer but the run directory: start as many 
     python generate.py --engine http --url http://127.0.0.1:8000 --api_key KEY   # through a server or proxy.py
     python generate.py --engine http --replica_run_dir /mnt/bucket/run1 ...      # vllm serve replicas that mount it
 """
-import collections
 import contextlib
 import os
 import random
@@ -54,17 +53,6 @@ class GenerateConfig:
     tracker_project: str = field(default="minigrpo", metadata={"help": "--report_to: the tracker's project"})
 
 
-def make_engine(cfg: GenerateConfig, run: RunSettings, seed: int):
-    """(engine, tokenizer). Only the torch engine holds the model here; the http engine needs just the tokenizer."""
-    if cfg.engine == "torch":
-        model, tokenizer = load_model(run.model, pick_device(cfg.device), cfg.dtype)
-        inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
-        return TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, seed), tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(run.model))
-    api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
-    return HttpEngine(cfg.url, api_key, cfg.max_inflight, keep=run.max_staleness + 1), tokenizer
-
-
 def waiting_groups(buffer: RolloutBuffer, watch: Watch, writer: str, written: int, batch: int) -> tuple[int, dict]:
     """(groups waiting once this generator writes its next batch, so that N generators together stay within
     --max_ready; the lease). A live lease (changed within its timeout) says what waited at the trainer's last listing,
@@ -93,7 +81,14 @@ def main():
     poll_s = max(cfg.poll_s, storage.poll_s)  # a bucket charges per request: look less often
     torch.set_num_threads(cfg.threads)
     rng = random.Random(f"{cfg.seed}-{gen_id}")
-    engine, tokenizer = make_engine(cfg, run, seed=rng.getrandbits(63))
+    if cfg.engine == "torch":  # only the torch engine holds the model here; the http engine needs just the tokenizer
+        model, tokenizer = load_model(run.model, pick_device(cfg.device), cfg.dtype)
+        inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
+        engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, rng.getrandbits(63))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(run.model))
+        api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
+        engine = HttpEngine(cfg.url, api_key, cfg.max_inflight, keep=run.max_staleness + 1)
     sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
     task, buffer, store = make_task(run), RolloutBuffer(storage), AdapterStore(storage, meta["run_id"])
     shown = asdict(cfg) | {"api_key": "***" if cfg.api_key else ""}  # a secret: neither printed nor tracked
@@ -104,10 +99,9 @@ def main():
 
     if meta.get("grader") and meta["grader"] != task.grader:  # rewards from two graders would mix in one run
         raise SystemExit(f"this generator grades with {task.grader}, the run with {meta['grader']}: install the same")
-    batch = written = 0
+    batch, written, idle_since = 0, 0, time.time()
     watch = Watch()  # how long the lease has stayed the same: a dead trainer's tells nothing any more
-    skipped, made = set(), collections.Counter()  # adapter versions that could not be loaded; groups per version
-    idle_since = time.time()
+    skipped, made = set(), {}  # adapter versions that could not be loaded; groups per version
     while (not cfg.max_batches or batch < cfg.max_batches) and not storage.exists("DONE"):
         # backpressure: wait while the next batch would leave more than max_ready groups waiting. Lock-step: once
         # this version has sampled a trainer step's groups (in whole batches), wait for the next version
@@ -118,8 +112,7 @@ def main():
             time.sleep(poll_s)
             continue
         backpressure_s, t0 = time.time() - idle_since, time.time()
-        latest = store.latest()
-        if latest is not None and latest != engine.version and latest not in skipped:
+        if (latest := store.latest()) is not None and latest != engine.version and latest not in skipped:
             path = f"{cfg.replica_run_dir.rstrip('/') or storage.url()}/adapters/{store.name(latest)}"
             try:
                 engine.load_adapter(latest, path)
@@ -144,7 +137,7 @@ def main():
             temperature=run.temperature, adapter_digest=group[0].adapter_digest, started_at=started,
             finished_at=time.time(), grader=task.grader) for prompt, group, r in zip(prompts, completions, rewards)]
         written += len(buffer.write(groups, writer, seq=written))
-        made[version] += len(prompts)
+        made[version] = made.get(version, 0) + len(prompts)
         batch += 1
 
         n_tok = sum(len(c.token_ids) for g in completions for c in g)

@@ -36,13 +36,12 @@ def per_row(rows, field: str, device, dtype=torch.float32) -> torch.Tensor:  # (
 
 
 class Sampler:
-    """One batch's rules (rows: (prompt, params, sample index)): the log-probs above; a row ends at its first stop id
-    (the model's EOS). The replica server's subclass (serve_sampling.py) extends these methods."""
+    """One batch's rules over rows (prompt, params, sample index); serve_sampling.py's subclass extends them."""
 
     def __init__(self, rows, eos: list[int], device):
-        t = per_row(rows, "temperature", device)[:, None]  # (B, 1)
-        self.temperature = torch.where(t > 0, t, 1.0)  # greedy rows report log_softmax(logits), as vLLM does
-        self.stops = torch.tensor(eos, dtype=torch.long, device=device)  # (S,) the same for every row
+        t = per_row(rows, "temperature", device)[:, None]  # (B, 1) 0: greedy, no noise
+        self.noisy, self.temperature = t > 0, torch.where(t > 0, t, 1.0)  # greedy reports log_softmax(logits), as vLLM
+        self.stops = torch.tensor(eos, dtype=torch.long, device=device)  # (S,) the EOS ids, the same for every row
 
     def __call__(self, logits: torch.Tensor, t: int) -> torch.Tensor:  # (B, V) raw logits -> (B, V) log-probs
         return torch.log_softmax(logits / self.temperature, -1)
@@ -82,7 +81,6 @@ class TorchEngine:
         ids = torch.tensor([[self.pad_id] * (L - len(p)) + list(p) for p in unique], device=self.device)  # (U, L)
         mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in unique], device=self.device)  # (U, L)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (U, L) positions ignore the padding
-        noisy = per_row(rows, "temperature", self.device)[:, None] > 0  # (B, 1) temperature 0: greedy, no noise
         limit = per_row(rows, "max_tokens", self.device, torch.long)
         gens = {r: torch.Generator(self.device).manual_seed(sp.seed + i) for r, (_, sp, i) in enumerate(rows)
                 if sp.seed is not None}
@@ -101,7 +99,7 @@ class TorchEngine:
             for r, g in gens.items():  # seeded rows draw from their own stream
                 u[r] = torch.rand(u.shape[1], generator=g, device=self.device)
             # the Gumbel-max trick: argmax(logp + g), g = -log(-log u), samples softmax(logp)
-            tok = (logp_all - torch.log(-torch.log(u.clamp(1e-20, 1 - 1e-7))) * noisy).argmax(-1)  # (B,)
+            tok = (logp_all - torch.log(-torch.log(u.clamp(1e-20, 1 - 1e-7))) * sampler.noisy).argmax(-1)  # (B,)
             tokens.append(tok)
             logps.append(logp_all.gather(1, tok[:, None]).squeeze(1))
             alive.append(~done)  # a row keeps its tokens up to its first stop, or up to its limit

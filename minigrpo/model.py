@@ -79,7 +79,6 @@ def pick_device(device: str = "auto") -> torch.device:  # train.py's torchrun ra
 
 
 def load_model(name: str, device: torch.device, dtype: str = "float32"):
-    """(model in eval mode with frozen weights, tokenizer). dtype: float32 | bfloat16 | float16."""
     path = resolve_model(name)
     hf_logging.disable_progress_bar()  # one clean log line per step, no bars
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -156,10 +155,9 @@ def packed_logprobs(model, ids, pos, where, targets, temperature: float):
     if model.config._attn_implementation != PACKED_SDPA:
         raise ValueError(f"packed rows need attn_implementation={PACKED_SDPA!r} (load_model sets it), the model has "
                          f"{model.config._attn_implementation!r}")
-    head = output_head(model)
     hidden = model.base_model(input_ids=ids, position_ids=pos, use_cache=False,  # every layer gets the one plan
                               packed_plan=plan_packed_row(pos)).last_hidden_state[0]  # (N, H)
     valid = targets >= 0
-    logp, entropy = HeadLogprobs.apply(hidden[where[valid]], head.weight, targets[valid], temperature)
+    logp, entropy = HeadLogprobs.apply(hidden[where[valid]], output_head(model).weight, targets[valid], temperature)
     spread = lambda x: torch.zeros(where.shape, device=ids.device).index_put((valid,), x)  # noqa: E731 (B, T)
     return spread(logp), spread(entropy)

@@ -19,27 +19,20 @@ class ServerError(RuntimeError):
     pass
 
 
-def served(path: str) -> tuple[str, str]:  # (the name it is served under: its last component; its absolute path or URL)
-    path = path if "://" in path else os.path.abspath(path)
-    return path.rstrip("/").rsplit("/", 1)[-1], path
-
-
 class HttpEngine:
-    def __init__(self, url: str, api_key: str = "", max_inflight: int = 64, keep: int = 5, retry_s: float = 300.0,
-                 timeout_s: float = 600.0):
+    def __init__(self, url: str, api_key: str = "", max_inflight: int = 64, keep: int = 5, retry_s: float = 300.0):
         self.url, self.keep, self.retry_s = url.rstrip("/"), keep, retry_s
         self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
         self.inflight = asyncio.Semaphore(max_inflight)
         self.version, self.loaded = None, {}  # loaded: version -> (name, path)
 
-        async def session():  # made inside the loop that uses it
-            return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=10),
+        async def session():  # made inside the loop that uses it; a request may take up to 600 s
+            return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600, sock_connect=10),
                                          headers=P.bearer(api_key))
         self.session = self.loop.run_until_complete(session())
 
     async def _call(self, method: str, path: str, body=None) -> tuple[int, str]:
-        """(status, text), retrying transport errors and 5xx with backoff 0.5, 1, 2, ... 8 s for up to retry_s: a
-        server that is still starting (vLLM takes minutes) or restarting is waited for, and said so."""
+        """(status, text), retrying transport errors and 5xx for up to retry_s: a starting or restarting server."""
         deadline, last = time.monotonic() + self.retry_s, None
         for attempt in itertools.count():
             try:
@@ -66,7 +59,8 @@ class HttpEngine:
             raise ServerError(f"{self.url} refused to load {name} from {path}: {status} {text[:300]}")
 
     def load_adapter(self, version: int, path: str):
-        name, path = served(path)
+        path = path if "://" in path else os.path.abspath(path)  # as the server will find it
+        name = path.rstrip("/").rsplit("/", 1)[-1]  # the directory's name
         self.loop.run_until_complete(self._load(name, path))
         self.loaded[version], self.version = (name, path), version
         for old in [v for v in self.loaded if v <= version - self.keep]:  # left the staleness window; 404 is fine
@@ -76,8 +70,7 @@ class HttpEngine:
     async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
         name, path = self.loaded[self.version]
         body = {"model": name, "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
-                "top_p": 1.0, "top_k": 0, "logprobs": 0, "return_token_ids": True,
-                "seed": sp.seed}  # None: the server samples from its own generator
+                "top_p": 1.0, "top_k": 0, "logprobs": 0, "return_token_ids": True, "seed": sp.seed}
         async with self.inflight:
             status, text = await self._call("POST", "/v1/completions", body)
             if status == 404 and "does not exist" in text:  # a replica restarted and forgot the adapter
