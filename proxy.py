@@ -25,7 +25,7 @@ from minigrpo.router import PrefixRouter
 
 @dataclass
 class ProxyConfig(P.ServerConfig):
-    upstream: list[str] = field(default_factory=list, metadata={"help": "each replica's base URL", "action": "extend"})
+    upstream: list[str] = field(kw_only=True, metadata={"help": "each replica's base URL", "action": "extend"})
     no_auth: bool = field(default=False, metadata={"help": "run without a client key (only on a trusted network)"})
     upstream_token: str = field(default="", metadata={"help": "bearer token sent to the replicas (default: env HF_TOKEN)"})
     imbalance: int = field(default=32, metadata={"help": "affinity only while a replica is at most this many requests "
@@ -53,8 +53,7 @@ def reply(a: Answer, headers: dict | None = None) -> web.Response:
 class Proxy:
     def __init__(self, cfg: ProxyConfig):
         self.cfg, self.upstreams = cfg, [u.rstrip("/") for u in cfg.upstream]
-        self.router = PrefixRouter(len(self.upstreams), imbalance=cfg.imbalance)
-        self.inflight, self.routed = [0] * len(self.upstreams), [0] * len(self.upstreams)
+        self.router, self.inflight = PrefixRouter(len(cfg.upstream), imbalance=cfg.imbalance), [0] * len(cfg.upstream)
         self.auth = P.bearer(cfg.upstream_token or os.environ.get("HF_TOKEN", ""))
         self.loading = collections.defaultdict(asyncio.Lock)  # one load per adapter name at a time
 
@@ -88,7 +87,6 @@ class Proxy:
             answer = await self.send(i, request)
             if not answer.unreachable:
                 break
-        self.routed[i] += 1
         return reply(answer, {"X-Proxy-Upstream": str(i)})
 
     async def completions(self, request: web.Request):
@@ -136,28 +134,20 @@ class Proxy:
 
     async def connect(self, app: web.Application):
         timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s, sock_connect=10)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
-        yield
-        await self.session.close()
-
-    async def stats(self, request: web.Request):
-        upstreams = [{"url": u, "inflight": f, "routed": r} for u, f, r in zip(self.upstreams, self.inflight, self.routed)]
-        return web.json_response({"upstreams": upstreams, "router": self.router.stats()})
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024)) as self.session:
+            yield
 
 
 def main():
     cfg, = HfArgumentParser(ProxyConfig).parse_args_into_dataclasses()
     cfg.api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
-    if not cfg.upstream:
-        raise SystemExit("give at least one replica: --upstream http://HOST:PORT (repeat for each)")
     if not cfg.api_key and not cfg.no_auth:
         raise SystemExit("set --api_key KEY (or MINIGRPO_API_KEY), or pass --no_auth to run without client auth")
     proxy = Proxy(cfg)
     routes = [web.post("/v1/completions", proxy.completions), web.post("/v1/chat/completions", proxy.completions),
-              web.post("/v1/load_lora_adapter", proxy.load_lora), web.get("/proxy/stats", proxy.stats),
+              web.post("/v1/load_lora_adapter", proxy.load_lora), web.post("/reset_prefix_cache", proxy.everywhere),
               *[web.post(p, proxy.everywhere) for p in ("/v1/unload_lora_adapter", "/pause", "/resume")],
-              web.post("/reset_prefix_cache", proxy.everywhere), web.get("/health", proxy.everywhere),
-              web.get("/ping", proxy.everywhere), web.route("*", "/{tail:.*}", proxy.forward)]
+              *[web.get(p, proxy.everywhere) for p in ("/health", "/ping")], web.route("*", "/{tail:.*}", proxy.forward)]
     P.run(cfg, routes, proxy.connect, f"proxy -> {len(cfg.upstream)} replicas")
 
 

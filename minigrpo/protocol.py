@@ -6,6 +6,7 @@ the auth rule and its 401 {"error": "Unauthorized"} (vllm/entrypoints/serve/midd
 already been loaded" (vllm/entrypoints/openai/models/serving.py) and "No adapter found" (vllm/exceptions.py).
 """
 import asyncio
+import contextlib
 import hmac
 import json
 import resource
@@ -44,10 +45,8 @@ def error(status: int, message: str, kind: str = "BadRequestError", param: str |
 
 def root_of(models: bytes | str, name: str) -> str | None:
     """The path a /v1/models answer says adapter `name` is served from (None: no such name, or no such answer)."""
-    try:
+    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
         return next((m.get("root") for m in json.loads(models)["data"] if m.get("id") == name), None)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
 
 
 def parse_json(raw: bytes) -> dict:

@@ -19,7 +19,6 @@ class PrefixRouter:
     def __init__(self, n: int, block_size: int = 16, imbalance: int = 32, max_blocks: int = 500_000):
         self.n, self.block_size, self.imbalance, self.max_blocks = n, block_size, imbalance, max_blocks
         self.table = collections.OrderedDict()  # block hash -> (owners: set[int], successors: set[bytes]), LRU
-        self.counters = {"affinity": 0, "spilled": 0, "unmatched": 0}
         self.turns = itertools.count()  # round-robin among equally loaded replicas
 
     def choose(self, model: str, prompt, inflight: list[int]) -> tuple[int, str]:
@@ -53,7 +52,6 @@ class PrefixRouter:
             if matched[pick] == len(hashes) and len(hashes) > fanout:  # the loop saw every block: fanout is final
                 kind = "affinity"  # every replica holds this whole prompt (it spilled before): a hit wherever it goes
         self._remember(hashes, pick)
-        self.counters[kind] += 1
         return pick, kind
 
     def _remember(self, hashes: tuple[bytes, ...], pick: int):
@@ -64,9 +62,6 @@ class PrefixRouter:
                 self.table[prev][1].add(h)  # two successors are enough to call a block shared
         while len(self.table) > self.max_blocks:
             self.table.popitem(last=False)
-
-    def stats(self) -> dict:
-        return self.counters | {"routed": sum(self.counters.values()), "tracked_blocks": len(self.table)}
 
 
 @functools.lru_cache(maxsize=4096)  # a prompt comes G times in a row: hash its blocks once

@@ -102,7 +102,6 @@ def make_task(run) -> "ReverseAddition | MathTask":
 
 
 def prompt_ids(tokenizer, text: str, system_prompt: str = "") -> list[int]:
-    """Token ids of a prompt: through the model's chat template when its tokenizer has one, else plain text."""
     if not getattr(tokenizer, "chat_template", None):
         return tokenizer(text)["input_ids"]
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": text}]

@@ -130,8 +130,11 @@ def test_trainer_two_replicas_proxy_and_http_generator_learn_together(tmp_path):
         names = [{m["id"] for m in call("GET", r + "/v1/models")[2]["data"][1:]} for r in replicas]
         run_id = json.loads(Storage(run_dir).get("run.json"))["run_id"]
         assert names[0] == names[1] and f"policy-{run_id}-v{used[-1]:06d}" in names[0]
-        stats = call("GET", proxy + "/proxy/stats", key="k")[2]
-        assert all(u["routed"] > 0 for u in stats["upstreams"]) and stats["router"]["routed"] >= len(used) * 8
+        seen = set()
+        for a in range(10, 16):  # new prompts: each is unmatched and goes to the next equally idle replica
+            assert call("POST", proxy + "/v1/completions", {"prompt": f"{a}+{a}=", "max_tokens": 2}, key="k")[0] == 200
+            seen.add(call.headers["X-Proxy-Upstream"])
+        assert seen == {"0", "1"}
     finally:
         for p in procs:
             p.kill()

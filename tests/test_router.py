@@ -32,9 +32,9 @@ def replay(n_replicas=2, prompts=200, G=8, concurrency=64, seed=0):
 
 def test_affinity_approaches_the_ceiling_and_first_requests_are_unmatched():
     router, placed = replay()
-    stats = router.stats()
-    assert stats["routed"] == 200 * 8
-    assert stats["affinity"] / stats["routed"] > 0.845  # the blog's router reached 84.5%; the ceiling is 7/8
+    kinds = [kind for requests in placed.values() for _, kind in requests]
+    assert len(kinds) == 200 * 8
+    assert kinds.count("affinity") / len(kinds) > 0.845  # the blog's router reached 84.5%; the ceiling is 7/8
     first = [requests[0][1] for requests in placed.values()]
     assert first.count("unmatched") >= len(first) - 1, "a prompt's first request has nowhere to go"
     # (the one exception: the second prompt ever seen, before any fan-out has shown where the template ends)
@@ -80,7 +80,7 @@ def test_block_table_is_bounded():
     router, rng = PrefixRouter(2, max_blocks=100), random.Random(4)
     for k in range(100):
         router.choose("m", prompt(k, rng), [0, 0])
-    assert router.stats()["tracked_blocks"] == 100
+    assert len(router.table) == 100
 
 
 def test_a_prompt_shorter_than_one_block_follows_its_first_request():
