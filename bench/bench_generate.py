@@ -69,14 +69,15 @@ def vllm_worker(model_path: str, max_prompt_len: int, max_new_tokens: int):
     import vllm
     from vllm.lora.request import LoRARequest
 
-    from minigrpo.lora import DEFAULT_TARGETS, adapter_config, lora_state_dict, save_adapter
+    from minigrpo.lora import DEFAULT_TARGETS, adapter_config, adapter_files, lora_state_dict
+    from minigrpo.storage import Storage
     llm = vllm.LLM(model=model_path, enable_lora=True, max_lora_rank=8, max_loras=6, max_cpu_loras=6,
                    logprobs_mode="processed_logprobs", dtype="float32", seed=0,
                    max_model_len=max_prompt_len + max_new_tokens)
     model, _ = load_model(model_path, torch.device("cpu"))
     inject_lora(model, 8, 16)
     adapter = os.path.join(tempfile.mkdtemp(), "policy-bench-v000000")
-    save_adapter(adapter, lora_state_dict(model), adapter_config(8, 16, DEFAULT_TARGETS, model_path))
+    Storage(str(adapter)).put_many(adapter_files(lora_state_dict(model), adapter_config(8, 16, DEFAULT_TARGETS, model_path)))
     lora = LoRARequest("policy-bench-v000000", 1, adapter)
     params = vllm.SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_new_tokens, logprobs=0)
     print("@@ready", flush=True)  # vLLM prints to stdout too: the bench reads only lines that start with @@

@@ -154,11 +154,12 @@ def random_qwen(out: str, max_logit: float) -> dict:
 
 def zero_adapter(model_dir: str, out: str) -> str:
     """Version 0 as train.py publishes it: lora_A random, lora_B zero."""
-    from minigrpo.lora import DEFAULT_TARGETS, adapter_config, inject_lora, lora_state_dict, save_adapter
+    from minigrpo.lora import DEFAULT_TARGETS, adapter_config, adapter_files, inject_lora, lora_state_dict
     from minigrpo.model import load_model
+    from minigrpo.storage import Storage
     model, _ = load_model(model_dir, torch.device("cpu"))
     inject_lora(model, LORA_R, LORA_ALPHA)
-    save_adapter(out, lora_state_dict(model), adapter_config(LORA_R, LORA_ALPHA, DEFAULT_TARGETS, model_dir))
+    Storage(str(out)).put_many(adapter_files(lora_state_dict(model), adapter_config(LORA_R, LORA_ALPHA, DEFAULT_TARGETS, model_dir)))
     return out
 
 

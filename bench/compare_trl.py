@@ -75,8 +75,9 @@ def trl_worker(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from minigrpo.lora import adapter_config, save_adapter
+    from minigrpo.lora import adapter_config, adapter_files
     from minigrpo.model import DEMO_MODEL
+    from minigrpo.storage import Storage
     from minigrpo.tasks import Problem, ReverseAddition, prompt_ids, score
 
     torch.set_num_threads(args.threads)
@@ -128,7 +129,7 @@ def trl_worker(args):
             now = time.time() - self.t0
             while points and now >= points[0]:
                 t, (step, weights) = points.pop(0), self.last
-                save_adapter(os.path.join(args.out, f"t{t:g}"), weights, adapter_json)
+                Storage(os.path.join(args.out, f"t{t:g}")).put_many(adapter_files(weights, adapter_json))
                 saved[t] = step
             self.last = self.snapshot(model, state)
             if not points:
@@ -152,10 +153,11 @@ def check_same_weights(peft_model, tokenizer, weights, adapter_json, out):
     written from it give the same logits."""
     import torch
 
-    from minigrpo.lora import inject_lora, load_adapter, save_adapter
+    from minigrpo.lora import adapter_files, inject_lora, load_adapter
     from minigrpo.model import load_model
+    from minigrpo.storage import Storage
     path = os.path.join(out, "final")
-    save_adapter(path, weights, adapter_json)
+    Storage(str(path)).put_many(adapter_files(weights, adapter_json))
     ours, _ = load_model("demo", torch.device("cpu"))
     inject_lora(ours, adapter_json["r"], adapter_json["lora_alpha"], adapter_json["target_modules"])
     load_adapter(ours, path)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load, save
 
-from minigrpo.storage import Storage, read_bytes
+from minigrpo.storage import read_bytes
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
@@ -130,10 +130,6 @@ def adapter_files(state: dict[str, torch.Tensor], config: dict) -> dict[str, byt
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
     return {"adapter_config.json": json.dumps(config, indent=2).encode(),
             "adapter_model.safetensors": save(tensors, metadata={"format": "pt"})}
-
-
-def save_adapter(path: str, state: dict[str, torch.Tensor], config: dict):  # a local path or a storage URL
-    Storage(str(path)).put_many(adapter_files(state, config))
 
 
 def adapter_digest(weights: bytes) -> str:

@@ -95,15 +95,16 @@ def start(args, port, wait=True):
 
 def save_random_adapter(path, r=2, alpha=4.0, seed=0, targets=None, use_rslora=False):
     """A PEFT adapter for the demo model with non-zero B, so it visibly changes the output."""
-    from minigrpo.lora import DEFAULT_TARGETS, adapter_config, inject_lora, lora_layers, lora_state_dict, save_adapter
+    from minigrpo.lora import DEFAULT_TARGETS, adapter_config, adapter_files, inject_lora, lora_layers, lora_state_dict
     from minigrpo.model import load_model
+    from minigrpo.storage import Storage
     model, _ = load_model("demo", torch.device("cpu"))
     inject_lora(model, r, alpha, targets or DEFAULT_TARGETS, use_rslora)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in lora_layers(model).values():
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g) * 0.3)
-    save_adapter(str(path), lora_state_dict(model), adapter_config(r, alpha, targets or DEFAULT_TARGETS, "demo", use_rslora))
+    Storage(str(path)).put_many(adapter_files(lora_state_dict(model), adapter_config(r, alpha, targets or DEFAULT_TARGETS, "demo", use_rslora)))
     return model
 
 

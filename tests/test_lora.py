@@ -11,8 +11,9 @@ import torch
 import torch.nn as nn
 from conftest import tiny_model
 
-from minigrpo.lora import (DEFAULT_TARGETS, LoRALinear, adapter_config, adapter_digest, inject_lora, load_adapter,
-                           load_lora_state_dict, lora_layers, lora_state_dict, save_adapter)
+from minigrpo.lora import (DEFAULT_TARGETS, LoRALinear, adapter_config, adapter_digest, adapter_files, inject_lora,
+                           load_adapter, load_lora_state_dict, lora_layers, lora_state_dict)
+from minigrpo.storage import Storage
 
 IDS = torch.tensor([[3, 7, 1, 9, 4, 2, 8, 5]])
 
@@ -74,7 +75,7 @@ def test_save_writes_peft_names_and_loads_back(tmp_path, arch):
     model = tiny_model(arch)
     inject_lora(model, r=4, alpha=8)
     randomize_b(model)
-    save_adapter(tmp_path, lora_state_dict(model), adapter_config(4, 8, DEFAULT_TARGETS, "tiny"))
+    Storage(str(tmp_path)).put_many(adapter_files(lora_state_dict(model), adapter_config(4, 8, DEFAULT_TARGETS, "tiny")))
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
     keys = lora_state_dict(model).keys()
@@ -89,7 +90,7 @@ def test_save_writes_peft_names_and_loads_back(tmp_path, arch):
 def test_adapter_of_another_shape_is_refused_with_the_reason(tmp_path):
     model = tiny_model()
     inject_lora(model, r=4, alpha=8)
-    save_adapter(tmp_path, lora_state_dict(model), adapter_config(4, 8, DEFAULT_TARGETS, "tiny"))
+    Storage(str(tmp_path)).put_many(adapter_files(lora_state_dict(model), adapter_config(4, 8, DEFAULT_TARGETS, "tiny")))
     other = tiny_model()
     inject_lora(other, r=2, alpha=8)
     with pytest.raises(ValueError, match="do not fit rank 4"):  # a higher rank than the layers'
@@ -110,7 +111,7 @@ def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path, arch):
     model = tiny_model(arch)
     inject_lora(model, r=4, alpha=8)
     randomize_b(model)
-    save_adapter(tmp_path, lora_state_dict(model), adapter_config(4, 8, DEFAULT_TARGETS, "tiny"))
+    Storage(str(tmp_path)).put_many(adapter_files(lora_state_dict(model), adapter_config(4, 8, DEFAULT_TARGETS, "tiny")))
     theirs = peft.PeftModel.from_pretrained(tiny_model(arch), str(tmp_path)).eval()
     torch.testing.assert_close(theirs(IDS).logits, model(IDS).logits, atol=1e-5, rtol=1e-5)
 
@@ -139,7 +140,7 @@ def test_rslora_round_trips_with_peft_in_both_directions(tmp_path, use_rslora):
     assert load_adapter(ours, str(tmp_path / "theirs")) == adapter_digest(
         (tmp_path / "theirs" / "adapter_model.safetensors").read_bytes())
     torch.testing.assert_close(ours(IDS).logits, theirs(IDS).logits, atol=1e-5, rtol=1e-5)
-    save_adapter(tmp_path / "ours", lora_state_dict(ours), adapter_config(4, 8, DEFAULT_TARGETS, "tiny", use_rslora))
+    Storage(str(tmp_path / "ours")).put_many(adapter_files(lora_state_dict(ours), adapter_config(4, 8, DEFAULT_TARGETS, "tiny", use_rslora)))
     back = peft.PeftModel.from_pretrained(tiny_model(), str(tmp_path / "ours")).eval()
     torch.testing.assert_close(back(IDS).logits, theirs(IDS).logits, atol=1e-5, rtol=1e-5)
 
@@ -148,7 +149,7 @@ def test_an_adapter_of_a_lower_rank_or_another_scaling_loads_with_its_own_as_in_
     model = tiny_model()
     inject_lora(model, r=2, alpha=8, use_rslora=True)
     randomize_b(model)
-    save_adapter(tmp_path, lora_state_dict(model), adapter_config(2, 8, DEFAULT_TARGETS, "tiny", use_rslora=True))
+    Storage(str(tmp_path)).put_many(adapter_files(lora_state_dict(model), adapter_config(2, 8, DEFAULT_TARGETS, "tiny", use_rslora=True)))
     plain = tiny_model()
     inject_lora(plain, r=4, alpha=8)
     load_adapter(plain, str(tmp_path))  # rank 2 zero-padded to 4, scaling 8 / sqrt(2) in place of 8 / 4

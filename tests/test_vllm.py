@@ -143,15 +143,16 @@ def load(url: str, name: str, path) -> tuple:
 
 def random_adapter(path, seed: int, r: int = 2, scale: float = 0.3) -> str:
     """A PEFT adapter for MODEL with non-zero B, so it visibly changes the output."""
-    from minigrpo.lora import DEFAULT_TARGETS, adapter_config, inject_lora, lora_layers, lora_state_dict, save_adapter
+    from minigrpo.lora import DEFAULT_TARGETS, adapter_config, adapter_files, inject_lora, lora_layers, lora_state_dict
     from minigrpo.model import load_model
+    from minigrpo.storage import Storage
     model, _ = load_model(MODEL, torch.device("cpu"))
     inject_lora(model, r, 2.0 * r, DEFAULT_TARGETS)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in lora_layers(model).values():
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g) * scale)
-    save_adapter(str(path), lora_state_dict(model), adapter_config(r, 2.0 * r, DEFAULT_TARGETS, MODEL))
+    Storage(str(path)).put_many(adapter_files(lora_state_dict(model), adapter_config(r, 2.0 * r, DEFAULT_TARGETS, MODEL)))
     return str(path)
 
 
