@@ -137,7 +137,7 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
     for mb in mbs:
         inputs, batch = collate(mb, device, len(samples), num_tokens)
         logp, entropy = packed_logprobs(model, *inputs, run.temperature)  # (b, L-1) each
-        if cfg.old_logp == "recompute":  # pi_old = these weights: ratio 1, the truncated IS weight is the control
+        if cfg.old_logp == "recompute":  # pi_old = these weights: ratio 1, no clip; the IS weight is the control
             batch.old = logp.detach()
         loss, m = grpo_loss(logp, batch, cfg, run.max_new_tokens)
         loss.backward()

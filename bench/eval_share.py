@@ -286,6 +286,6 @@ if __name__ == "__main__":
            notes="CPU, float32, 1 thread, 3 interleaved repeats (mean, sd). eval: train.evaluate on 32 problems, "
                  "eval_batch problems at a time; train: train.train_step on 2 x G=8 completions of max_new_tokens; "
                  "decode_steps: sum over batches of the longest completion; eval/train: paired per repeat.")
-    print("\n== presets, scaled (SCALING: low-high) ==")
+    print("\n== math recipes, scaled (SCALING: low-high) ==")
     for r in scaled:
         print("  ".join(f"{k} {v}" for k, v in r.items() if not k.startswith("share_")))

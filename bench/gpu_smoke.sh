@@ -50,7 +50,7 @@ gen=$!
 trap 'kill $gen 2>/dev/null || true' EXIT
 train=(train.py "${run[@]}" --device "$device" --dtype bfloat16 --max_steps "$steps" --groups_per_step 8 --save_every 2
        --eval_every 2 --eval_size "$eval_size" --eval_batch_size 32 --micro_batch_tokens 16384 --lr 1e-5
-       --loss_type dr_grpo)  # the presets' loss: it trains every group (dapo would drop a random model's all-zero ones)
+       --loss_type dr_grpo)  # the math recipes' loss: it trains every group (dapo would drop a random model's all-zero ones)
 MINIGRPO_FAULT=after_checkpoint:2 python "${train[@]}" > "$work/train.log" 2>&1 || [ $? -eq 137 ]
 grep -q "MINIGRPO_FAULT" "$work/train.log" || { cat "$work/train.log"; echo "the trainer did not stop at its fault"; exit 1; }
 python "${train[@]}" >> "$work/train.log" 2>&1 || { cat "$work/train.log"; exit 1; }

@@ -40,7 +40,7 @@ class Sampler:
 
     def __init__(self, rows, eos: list[int], device):
         t = per_row(rows, "temperature", device)[:, None]  # (B, 1) 0: greedy, no noise
-        self.noisy, self.temperature = t > 0, torch.where(t > 0, t, 1.0)  # greedy reports log_softmax(logits), as vLLM
+        self.noisy, self.temperature = t > 0, torch.where(t > 0, t, 1.0)  # greedy: log_softmax(logits), as vLLM does
         self.stops = torch.tensor(eos, dtype=torch.long, device=device)  # (S,) the EOS ids, the same for every row
 
     def __call__(self, logits: torch.Tensor, t: int) -> torch.Tensor:  # (B, V) raw logits -> (B, V) log-probs
