@@ -317,7 +317,8 @@ def main():
                   "sample/staleness_mean": sum(staleness) / len(staleness), "sample/staleness_max": max(staleness),
                   **{f"sample/{k}": v for k, v in stats.items()}, "group_ids": [g.group_id for g in groups]}
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            record["eval/accuracy"] = evaluate_now()
+            t_eval = time.time()  # evaluation has a time of its own: perf/step_s includes it, perf/fwd_bwd_s not
+            record |= {"eval/accuracy": evaluate_now(), "perf/eval_s": time.time() - t_eval}
         record |= {"sample/policy_mismatch": len(unapplied), "sample/rollout_queue_size": len(buffer.order),
                    "perf/rollout_wait_s": wait_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s,
                    "perf/step_s": time.time() - t0, "lr": cfg.lr, "time": time.time(),

@@ -26,6 +26,8 @@ class RunSettings:
     task_fields: str = field(default="problem,answer", metadata={"help": "math: the problem and answer field names"})
     system_prompt: str = field(default="", metadata={"help": "system message for models with a chat template"})
     reasoning: bool = field(default=False, metadata={"help": "math: grade only after </think> (R1-style models)"})
+    answer_format: str = field(default="boxed", metadata={"help": "math: the answer graded is the last \\boxed{} "
+                               "(boxed), the last number (last_number) or what follows the last 'Answer:' (answer_line)"})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank r"})
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha; the update is scaled by alpha / r"})
     lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS),

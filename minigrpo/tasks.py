@@ -19,6 +19,7 @@ Problem = collections.namedtuple("Problem", "prompt answer")
 
 class ReverseAddition:
     grader = "exact match"  # recorded in run.json and in every group: one grader scores a whole run
+    reward_range = (0.0, 1.0)  # a group with a reward outside it is quarantined
 
     def __init__(self):
         pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
@@ -63,6 +64,7 @@ def math_reward(completion: str, answer: str, reasoning: bool = False) -> float:
 
 
 class MathTask:
+    reward_range = (0.0, 1.0)
     grader = f"math-verify {importlib.metadata.version('math-verify')}"  # versions may judge answers differently
 
     def __init__(self, data: str, fields: str = "problem,answer", reasoning: bool = False, eval_fraction: float = 0.05):
