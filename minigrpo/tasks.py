@@ -2,13 +2,16 @@
 
 reverse_add, the demo task: "12+34=" -> "64", the sum 46 written backwards: the digits in reverse order make the
 carry local, so a 2-layer model can learn it. math: problems from --task_data (README, "Real models"); the reward
-is 1 when the last \\boxed{...} (after the one </think> of a reasoning model) equals the reference as math-verify
-judges it: spacing, \\left/\\right, \\dfrac, \\text{}, degrees, 1,000, 1/2 = 0.5 = \\frac{1}{2}, (x+1)^2 = x^2+2x+1.
+is 1 when the answer (after the one </think> of a reasoning model) equals the reference as math-verify judges it:
+spacing, \\left/\\right, \\dfrac, \\text{}, degrees, 1,000, 1/2 = 0.5 = \\frac{1}{2}, (x+1)^2 = x^2+2x+1. The answer
+is the last \\boxed{...}, or with --answer_format the last number, or what follows the last "Answer:" (a small model
+that rarely boxes: README, "A real model on a CPU").
 """
 import collections
 import importlib.metadata
 import json
 import random
+import re
 
 import fsspec
 import math_verify
@@ -53,10 +56,19 @@ def last_boxed(text: str) -> str | None:
     return None  # unbalanced: cut off before the answer closed
 
 
-def math_reward(completion: str, answer: str, reasoning: bool = False) -> float:
+def answer_of(text: str, answer_format: str = "boxed") -> str | None:
+    """The answer a completion gives: its last \\boxed{}, its last number, or the rest of its last 'Answer:' line."""
+    if answer_format == "last_number":
+        return (re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?", text) or [None])[-1]
+    if answer_format == "answer_line":
+        return text.rsplit("Answer:", 1)[1].split("\n")[0].strip(" .") if "Answer:" in text else None
+    return last_boxed(text)
+
+
+def math_reward(completion: str, answer: str, reasoning: bool = False, answer_format: str = "boxed") -> float:
     if reasoning and completion.count("</think>") != 1:  # grade only what follows the single end of thinking
         return 0.0
-    pred = last_boxed(completion.split("</think>")[1] if reasoning else completion)
+    pred = answer_of(completion.split("</think>")[1] if reasoning else completion, answer_format)
     if pred is None or pred.strip() == answer.strip():  # no answer, or the same text: no parsing needed
         return float(pred is not None)
     gold, said = (math_verify.parse(text, parsing_timeout=5) for text in (f"${answer}$", f"$\\boxed{{{pred}}}$"))
@@ -65,9 +77,14 @@ def math_reward(completion: str, answer: str, reasoning: bool = False) -> float:
 
 class MathTask:
     reward_range = (0.0, 1.0)
-    grader = f"math-verify {importlib.metadata.version('math-verify')}"  # versions may judge answers differently
 
-    def __init__(self, data: str, fields: str = "problem,answer", reasoning: bool = False, eval_fraction: float = 0.05):
+    def __init__(self, data: str, fields: str = "problem,answer", reasoning: bool = False, eval_fraction: float = 0.05,
+                 answer_format: str = "boxed"):
+        if answer_format not in ("boxed", "last_number", "answer_line"):
+            raise ValueError(f"--answer_format {answer_format!r}: choose boxed, last_number or answer_line")
+        # versions of math-verify may judge answers differently, and so do the formats: one grader scores a run
+        self.grader, self.answer_format = f"math-verify {importlib.metadata.version('math-verify')}", answer_format
+        self.grader += "" if answer_format == "boxed" else f", {answer_format}"
         if not data:
             raise ValueError("--task math needs --task_data: a .jsonl or .parquet file, or hf://datasets/OWNER/NAME/FILE")
         problem_key, answer_key = fields.split(",")
@@ -92,14 +109,14 @@ class MathTask:
         return self.eval_set[:n]
 
     def reward(self, completion: str, answer: str) -> float:
-        return math_reward(completion, answer, self.reasoning)
+        return math_reward(completion, answer, self.reasoning, self.answer_format)
 
 
 def make_task(run) -> "ReverseAddition | MathTask":
     if run.task == "reverse_add":
         return ReverseAddition()
     if run.task == "math":
-        return MathTask(run.task_data, run.task_fields, run.reasoning)
+        return MathTask(run.task_data, run.task_fields, run.reasoning, answer_format=run.answer_format)
     raise ValueError(f"unknown task {run.task!r}; known: reverse_add, math")
 
 

@@ -1,4 +1,5 @@
-"""The math task: boxed-answer extraction, think-tag handling, equivalent answers, garbage, data files with their
+"""The math task: boxed-answer extraction, the other answer formats (last number, 'Answer:' line) and the grader
+each records, think-tag handling, equivalent answers, garbage, data files with their
 own field names, and prompts through a chat template. Nothing is downloaded.
 
     python -m pytest -q tests/test_math.py
@@ -9,7 +10,7 @@ import pytest
 
 from minigrpo.demo import build_tokenizer
 from minigrpo.run import RunSettings
-from minigrpo.tasks import last_boxed, make_task, math_reward, prompt_ids
+from minigrpo.tasks import answer_of, last_boxed, make_task, math_reward, prompt_ids
 
 ROWS = [{"question": f"What is {a} + {b}?", "solution": str(a + b), "id": a} for a in range(20) for b in range(3)]
 
@@ -63,3 +64,27 @@ def test_prompts_go_through_the_chat_template_when_there_is_one():
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}{% if add_generation_prompt %}+{% endif %}"
     assert prompt_ids(tok, "2+3", system_prompt="1") == tok("1=2+3=+")["input_ids"]
     assert prompt_ids(tok, "2+3") == tok("2+3=+")["input_ids"]
+
+
+def test_a_chatty_reply_is_graded_by_its_last_number_with_that_format():
+    reply = "Sure! 3 + 4 is a sum of two numbers, so 3 + 4 = 7."  # a small model's typical answer: no \\boxed{}
+    assert math_reward(reply, "7", answer_format="last_number") == 1.0 and math_reward(reply, "7") == 0.0
+    assert math_reward("It is 7, not 8", "7", answer_format="last_number") == 0.0  # the last number, not any
+    assert answer_of("about 1,000 or -2.5 of them", "last_number") == "-2.5" and answer_of("none", "last_number") is None
+    assert math_reward("We have 1,000 in all", "1000", answer_format="last_number") == 1.0
+
+
+def test_an_answer_line_is_graded_by_what_follows_the_last_answer_label():
+    assert answer_of("Answer: 3\nno wait\nAnswer: 1/2.", "answer_line") == "1/2"
+    assert math_reward("Answer: 1/2.", "0.5", answer_format="answer_line") == 1.0
+    assert math_reward("The answer is 5", "5", answer_format="answer_line") == 0.0  # no label: no answer
+
+
+def test_the_answer_format_is_part_of_the_grader_and_an_unknown_one_is_refused(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps({"problem": r["question"], "answer": r["solution"]}) for r in ROWS) + "\n")
+    boxed = make_task(RunSettings(task="math", task_data=str(path)))
+    last = make_task(RunSettings(task="math", task_data=str(path), answer_format="last_number"))
+    assert boxed.grader.startswith("math-verify ") and last.grader == boxed.grader + ", last_number"
+    with pytest.raises(ValueError, match="--answer_format 'Boxed': choose boxed, last_number or answer_line"):
+        make_task(RunSettings(task="math", task_data=str(path), answer_format="Boxed"))
