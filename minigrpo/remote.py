@@ -10,9 +10,12 @@ import os
 import time
 
 import aiohttp
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from minigrpo import protocol as P
 from minigrpo.engine import Completion, SamplingParams
+from minigrpo.lora import check_adapter, check_config, inject_lora, read_adapter
 
 
 class ServerError(RuntimeError):
@@ -24,7 +27,7 @@ class HttpEngine:
         self.url, self.keep, self.retry_s = url.rstrip("/"), keep, retry_s
         self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
         self.inflight = asyncio.Semaphore(max_inflight)
-        self.version, self.loaded = None, {}  # loaded: version -> (name, path)
+        self.version, self.loaded, self.base = None, {}, None  # loaded: version -> (name, path)
 
         async def session():  # made inside the loop that uses it; a request may take up to 600 s
             return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600, sock_connect=10),
@@ -57,6 +60,20 @@ class HttpEngine:
                 raise ServerError(f"{self.url} already serves {name} from {there}, not from {path}")
         elif status != 200:
             raise ServerError(f"{self.url} refused to load {name} from {path}: {status} {text[:300]}")
+
+    def check_fits(self, path: str, model: str, lora: tuple):
+        """Refuse an adapter (ValueError) that does not fit the replicas' base model, before any loads it: vLLM loads
+        one made for another model and serves with it. The base is the replica's folder if this machine sees it, else
+        `model`, built once on the meta device (no weights) with LoRA layers (r, alpha, targets) to check against."""
+        if self.base is None:
+            cards = json.loads(self.loop.run_until_complete(self._call("GET", "/v1/models"))[1])["data"]
+            root = next((c.get("root") for c in cards if c.get("parent") is None), None)
+            with torch.device("meta"):
+                self.base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
+                    root if root and os.path.isdir(root) else model))
+            inject_lora(self.base, *lora)
+        config, state, _ = read_adapter(path)
+        check_adapter(self.base, state, check_config(config)[0])
 
     def load_adapter(self, version: int, path: str):
         path = path if "://" in path else os.path.abspath(path)  # as the server will find it

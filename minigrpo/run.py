@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from transformers import HfArgumentParser
 
@@ -26,8 +27,8 @@ class RunSettings:
     task_fields: str = field(default="problem,answer", metadata={"help": "math: the problem and answer field names"})
     system_prompt: str = field(default="", metadata={"help": "system message for models with a chat template"})
     reasoning: bool = field(default=False, metadata={"help": "math: grade only after </think> (R1-style models)"})
-    answer_format: str = field(default="boxed", metadata={"help": "math: the answer graded is the last \\boxed{} "
-                               "(boxed), the last number (last_number) or what follows the last 'Answer:' (answer_line)"})
+    answer_format: Literal["boxed", "last_number", "answer_line"] = field(default="boxed", metadata={
+        "help": "math: grade the last \\boxed{}, the last number, or what follows the last 'Answer:'"})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank r"})
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha; the update is scaled by alpha / r"})
     lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS),

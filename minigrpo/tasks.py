@@ -4,8 +4,7 @@ reverse_add, the demo task: "12+34=" -> "64", the sum 46 written backwards: the 
 carry local, so a 2-layer model can learn it. math: problems from --task_data (README, "Real models"); the reward
 is 1 when the answer (after the one </think> of a reasoning model) equals the reference as math-verify judges it:
 spacing, \\left/\\right, \\dfrac, \\text{}, degrees, 1,000, 1/2 = 0.5 = \\frac{1}{2}, (x+1)^2 = x^2+2x+1. The answer
-is the last \\boxed{...}, or with --answer_format the last number, or what follows the last "Answer:" (a small model
-that rarely boxes: README, "A real model on a CPU").
+is the last \\boxed{...}, or (--answer_format, for a model that rarely boxes) the last number or "Answer:" line.
 """
 import collections
 import importlib.metadata
@@ -80,11 +79,8 @@ class MathTask:
 
     def __init__(self, data: str, fields: str = "problem,answer", reasoning: bool = False, eval_fraction: float = 0.05,
                  answer_format: str = "boxed"):
-        if answer_format not in ("boxed", "last_number", "answer_line"):
-            raise ValueError(f"--answer_format {answer_format!r}: choose boxed, last_number or answer_line")
-        # versions of math-verify may judge answers differently, and so do the formats: one grader scores a run
-        self.grader, self.answer_format = f"math-verify {importlib.metadata.version('math-verify')}", answer_format
-        self.grader += "" if answer_format == "boxed" else f", {answer_format}"
+        self.answer_format = answer_format  # one grader scores a run: math-verify's version and the answer format
+        self.grader = f"math-verify {importlib.metadata.version('math-verify')}, {answer_format}"
         if not data:
             raise ValueError("--task math needs --task_data: a .jsonl or .parquet file, or hf://datasets/OWNER/NAME/FILE")
         problem_key, answer_key = fields.split(",")

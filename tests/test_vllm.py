@@ -37,7 +37,8 @@ PROMPT = [2, 3, 11, 4, 5, 12]  # "12+34=" in the demo tokenizer
 # what a replica needs for runtime adapters and the dev routes, on a CPU: 1 GiB of KV cache, threads not pinned
 # (the cores are shared with the trainer and the other replica)
 VLLM_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1"}  # one thread a replica: two threads each on 2 shared cores collapse throughput
 # README, "Many replicas": --max-loras is max_staleness + 2; float32 as the trainer computes; the model's 64 tokens
 SERVE_FLAGS = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "6", "--max-cpu-loras", "8",
                "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--dtype", "float32",
@@ -58,16 +59,16 @@ class Replica:
     vllm-cpu, which the `vllm` command cannot find), its log in a file. It runs in a process group of its own, so
     stop() also ends vLLM's engine-core process."""
 
-    def __init__(self, python: str, log):
-        self.python, self.log, self.port = python, str(log), free_port()
+    def __init__(self, python: str, log, model: str = MODEL, flags: list = SERVE_FLAGS):
+        self.python, self.log, self.port, self.model, self.flags = python, str(log), free_port(), model, flags
         self.url = f"http://127.0.0.1:{self.port}"
         self.launch()
 
     def launch(self):
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--host", "127.0.0.1",
-                 "--port", str(self.port), *SERVE_FLAGS], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
+                 "--port", str(self.port), *self.flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                 env=os.environ | VLLM_ENV, start_new_session=True)
         self.started = time.time()
 
