@@ -1,8 +1,14 @@
-"""minigrpo against TRL's GRPOTrainer with peft LoRA, on the demo task, for the same training wall-clock.
+"""minigrpo against TRL's GRPOTrainer with peft LoRA, on the demo task (or a real model), for the same training
+wall-clock.
 
     pip install -r requirements-bench.txt      # TRL, in an environment of its own (see that file)
     python bench/compare_trl.py                # 3 arms x 3 seeds x 150 s of training, plus evaluation: ~30 minutes
     python bench/compare_trl.py --budget_s 20 --seeds 1      # a smoke run
+    python bench/compare_trl.py --model models/smollm2 --task_data data/sums.jsonl   # the real model (bench/real_model.py)
+
+With --model, the arms train that model on the math task from --task_data with the real-model recipe (REAL below:
+answers graded by their last number, a system prompt, 48 new tokens, 4 groups a step, learning rate 1e-3), and TRL
+gets conversational prompts that its chat template turns into minigrpo's prompt ids, to the token (checked).
 
 The arms, all from the shipped base (minigrpo/demo_model), with the same tokenizer and raw-text prompts (the demo
 tokenizer's chat template adds nothing to them), the same reward (minigrpo.tasks.score on the training problems), LoRA r=8,
@@ -37,6 +43,7 @@ evaluation takes no training time. Seed s seeds the arm (LoRA init, prompts, sam
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -55,13 +62,18 @@ ARMS = {  # TRL settings beyond the matched ones; None: minigrpo
     "trl_dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none"},
 }
 DEFAULT_ARMS = "minigrpo,trl_default,trl_dapo"
+# the real-model recipe (README, "A real model on a CPU"): run settings, train.py's and generate.py's flags
+REAL = {"run": {"task": "math", "answer_format": "last_number", "system_prompt": "Reply with the number only.",
+                "max_new_tokens": 48}, "train": {"lr": 1e-3, "groups_per_step": 4}, "gen": {"prompts_per_batch": 4}}
 
 
-def matched():
-    """The settings both arms share: minigrpo's defaults (RunSettings, TrainConfig, GenerateConfig)."""
+def matched(model: str = "demo", task_data: str = ""):
+    """The settings both arms share: minigrpo's defaults (RunSettings, TrainConfig), or with a real model its recipe."""
     from minigrpo.run import RunSettings
     from train import TrainConfig
-    run, cfg = RunSettings(), TrainConfig()
+    real = REAL if model != "demo" else {"run": {}, "train": {}}
+    run = RunSettings(model=model, **real["run"], **({"task_data": task_data} if model != "demo" else {}))
+    cfg = TrainConfig(**real["train"])
     return SimpleNamespace(run=run, lr=cfg.lr, groups_per_step=cfg.groups_per_step, max_grad_norm=cfg.max_grad_norm,
                            weight_decay=cfg.weight_decay, completions_per_step=cfg.groups_per_step * run.group_size)
 
@@ -76,23 +88,29 @@ def trl_worker(args):
     from trl import GRPOConfig, GRPOTrainer
 
     from minigrpo.lora import adapter_config, adapter_files
-    from minigrpo.model import DEMO_MODEL
+    from minigrpo.model import resolve_model
     from minigrpo.storage import Storage
-    from minigrpo.tasks import Problem, ReverseAddition, prompt_ids, score
+    from minigrpo.tasks import Problem, make_task, prompt_ids, score
 
     torch.set_num_threads(args.threads)
-    m, task = matched(), ReverseAddition()
-    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
-    probe = task.problem(*task.train_pairs[0]).prompt  # minigrpo templates its prompts (tasks.prompt_ids)
-    if prompt_ids(tokenizer, probe) != tokenizer(probe)["input_ids"]:  # TRL gets the raw text here
-        raise SystemExit("the demo's chat template changes its prompts now: give TRL conversational prompts to match")
-    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32)
-    dataset = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer}
-                                 for p in (task.problem(a, b) for a, b in task.train_pairs)])
+    m = matched(args.model, args.task_data)
+    task, base = make_task(m.run), resolve_model(m.run.model)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    train_set = task.train_set if m.run.task == "math" else [task.problem(a, b) for a, b in task.train_pairs]
+    system = [{"role": "system", "content": m.run.system_prompt}] if m.run.system_prompt else []
+    chat = m.run.task == "math"  # the demo's template adds nothing: TRL gets its raw text
+    probe = train_set[0].prompt  # minigrpo templates its prompts (tasks.prompt_ids); TRL must see the same ids
+    theirs = (tokenizer.apply_chat_template(system + [{"role": "user", "content": probe}], add_generation_prompt=True,
+                                            return_dict=True)["input_ids"] if chat else tokenizer(probe)["input_ids"])
+    if prompt_ids(tokenizer, probe, m.run.system_prompt) != theirs:
+        raise SystemExit("TRL's prompt ids differ from minigrpo's for the same problem: match the prompt format")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    dataset = Dataset.from_list([{"prompt": system + [{"role": "user", "content": p.prompt}] if chat else p.prompt,
+                                  "answer": p.answer} for p in train_set])
 
     def reverse_add(prompts, completions, completion_ids, answer, **_):
         """minigrpo's reward, through minigrpo's score: the same decoding (special tokens stripped) and comparison."""
-        problems = [Problem(p, a) for p, a in zip(prompts, answer)]
+        problems = [Problem("", a) for a in answer]
         return [r[0] for r in score(task, tokenizer, problems, [[SimpleNamespace(token_ids=c)] for c in completion_ids])]
 
     peft_config = LoraConfig(r=m.run.lora_r, lora_alpha=m.run.lora_alpha, target_modules=list(m.run.lora_targets),
@@ -111,7 +129,7 @@ def trl_worker(args):
         disable_tqdm=True, dataloader_num_workers=0,
         max_steps=10**7,  # the wall clock stops it
         **ARMS[args.arm])
-    adapter_json = adapter_config(peft_config.r, peft_config.lora_alpha, m.run.lora_targets, DEMO_MODEL)
+    adapter_json = adapter_config(peft_config.r, peft_config.lora_alpha, m.run.lora_targets, base)
     points = [float(x) for x in args.points.split(",")]
     saved = {}
 
@@ -143,12 +161,12 @@ def trl_worker(args):
           "activation_checkpointing", "bf16", "optim", "lr_scheduler_type")},
           "| checkpointing:", trainer.model.is_activation_checkpointing, flush=True)
     trainer.train()
-    check_same_weights(trainer.model, tokenizer, get_peft_model_state_dict(trainer.model), adapter_json, args.out)
+    check_same_weights(trainer.model, tokenizer, get_peft_model_state_dict(trainer.model), adapter_json, args.out, base)
     with open(os.path.join(args.out, "steps.json"), "w") as f:
         json.dump({f"{t:g}": s for t, s in saved.items()}, f)
 
 
-def check_same_weights(peft_model, tokenizer, weights, adapter_json, out):
+def check_same_weights(peft_model, tokenizer, weights, adapter_json, out, base):
     """The evaluator must see exactly TRL's policy: the trained peft model and minigrpo's model with the adapter
     written from it give the same logits."""
     import torch
@@ -158,7 +176,7 @@ def check_same_weights(peft_model, tokenizer, weights, adapter_json, out):
     from minigrpo.storage import Storage
     path = os.path.join(out, "final")
     Storage(str(path)).put_many(adapter_files(weights, adapter_json))
-    ours, _ = load_model("demo", torch.device("cpu"))
+    ours, _ = load_model(base, torch.device("cpu"))
     inject_lora(ours, adapter_json["r"], adapter_json["lora_alpha"], adapter_json["target_modules"])
     load_adapter(ours, path)
     ids = torch.tensor([tokenizer(f"{a}+{b}=12")["input_ids"] for a, b in ((12, 34), (99, 99), (50, 17))])
@@ -175,7 +193,8 @@ def check_same_weights(peft_model, tokenizer, weights, adapter_json, out):
 # ---------------------------------------------------------------------------------------------------------------
 def run_trl(arm, seed, args, out) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "trl", "--arm", arm, "--seed", str(seed),
-           "--out", out, "--points", ",".join(f"{t:g}" for t in args.point_list), "--threads", str(args.trl_threads)]
+           "--out", out, "--points", ",".join(f"{t:g}" for t in args.point_list), "--threads", str(args.trl_threads),
+           "--model", args.model, "--task_data", args.task_data]
     with open(os.path.join(out, "trl.log"), "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=bench_env(args.trl_threads)).returncode
     if rc:
@@ -189,10 +208,14 @@ def run_minigrpo(seed, args, out) -> dict:
     when the published version first reaches each step count); both processes killed at the budget."""
     run_dir = os.path.join(out, "run")
     common = ["--run_dir", run_dir, "--seed", str(seed), "--device", "cpu"]
-    common += args.run_flags.split()  # run settings: both scripts must agree on them
+    real = REAL if args.model != "demo" else {"run": {}, "train": {}, "gen": {}}
+    flags = lambda d: [x for k, v in d.items() for x in (f"--{k}", str(v))]  # noqa: E731
+    common += flags(real["run"]) + (["--model", args.model, "--task_data", args.task_data] if real["run"] else [])
+    common += shlex.split(args.run_flags)  # run settings: both scripts must agree on them
     train = [sys.executable, "train.py", *common, "--max_steps", "10000000",  # the wall clock stops it
-             "--eval_every", "1000000000", "--eval_size", "1", *args.train_flags.split()]  # evaluated outside the budget
-    gen = [sys.executable, "generate.py", *common, "--generator_id", "g", *args.gen_flags.split()]
+             "--eval_every", "1000000000", "--eval_size", "1", *flags(real["train"]),  # evaluated outside the budget
+             *shlex.split(args.train_flags)]
+    gen = [sys.executable, "generate.py", *common, "--generator_id", "g", *flags(real["gen"]), *shlex.split(args.gen_flags)]
     logs = [open(os.path.join(out, name), "w") for name in ("train.log", "generate.log")]
     env = bench_env(1)
     procs = [subprocess.Popen(c, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -256,19 +279,22 @@ def tail(out, name, n=30):
 class Evaluator:
     """train.py's evaluate on minigrpo's engine: the same held-out problems, T=1, seed * 1_000_003 + i per problem."""
 
-    def __init__(self, eval_size: int, threads: int, split: str = "test"):
+    def __init__(self, eval_size: int, threads: int, split: str = "test", model: str = "demo", task_data: str = "",
+                 samples: int = 1):
         import torch
 
         from minigrpo.engine import TorchEngine
         from minigrpo.lora import inject_lora
         from minigrpo.model import load_model, stop_token_ids
-        from minigrpo.tasks import ReverseAddition
+        from minigrpo.tasks import make_task
         torch.set_num_threads(threads)
-        self.run = matched().run
+        self.run, self.samples = matched(model, task_data).run, samples
         self.model, self.tokenizer = load_model(self.run.model, torch.device("cpu"))
         inject_lora(self.model, self.run.lora_r, self.run.lora_alpha, self.run.lora_targets)  # B = 0: the base model
         self.engine = TorchEngine(self.model, stop_token_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id)
-        self.task = ReverseAddition()
+        self.task = make_task(self.run)
+        if split == "val" and self.run.task != "reverse_add":
+            raise SystemExit("--split val is the demo task's: a task file has one held-out set")
         # test: the first eval_size held-out problems, the ones train.py reports. val: the held-out problems after
         # them (400 of the 810 with eval_size 400), for tuning a recipe without looking at the test answers
         self.problems = (self.task.eval_problems(eval_size) if split == "test" else
@@ -284,7 +310,9 @@ class Evaluator:
                 layer.lora_B.data.zero_()
         else:
             load_adapter(self.model, adapter)
-        return evaluate(self.engine, self.tokenizer, self.task, self.problems, self.run, seed, len(self.problems))
+        # --samples k: each problem k times (seeds seed, seed + 1000, ...), for a smaller held-out set's noise
+        return statistics.mean(evaluate(self.engine, self.tokenizer, self.task, self.problems, self.run, seed + 1000 * k,
+                                        len(self.problems)) for k in range(self.samples))
 
 
 def plot_curves(runs, arms, points, path):
@@ -360,6 +388,10 @@ def main():
     p.add_argument("--name", default="", help="results file bench/results/NAME.json (default: compare_trl, or "
                    "compare_trl_val with --split val)")
     p.add_argument("--work_dir", default="", help="keep each arm's logs and adapters here (default: a temp folder)")
+    p.add_argument("--model", default="demo", help="demo, or a real model's folder (bench/real_model.py build) with "
+                   "--task_data: the real-model recipe")
+    p.add_argument("--task_data", default="", help="--model: the task file (bench/real_model.py task)")
+    p.add_argument("--eval_samples", type=int, default=1, help="samples per held-out problem (pass@1 averaged)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--arm", default="", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -378,7 +410,10 @@ def main():
         raise SystemExit(f"--points must end at the budget ({args.budget_s:g} s)")
     work = args.work_dir or tempfile.mkdtemp(prefix="compare-trl-")
     os.environ.update(bench_env(1))
-    evaluator = Evaluator(args.eval_size, threads=1, split=args.split)
+    if args.model != "demo" and not args.task_data:
+        raise SystemExit("--model needs --task_data (python bench/real_model.py task data/sums.jsonl)")
+    evaluator = Evaluator(args.eval_size, threads=1, split=args.split, model=args.model, task_data=args.task_data,
+                          samples=args.eval_samples)
 
     runs = []  # one per arm and seed
     # arms take turns within a seed, so that slow spells of the machine hit all alike
@@ -411,19 +446,21 @@ def main():
     which = "first" if args.split == "test" else "last (--split val)"
     notes = (f"held-out pass@1 ({which} {args.eval_size} held-out problems, T=1, mean ± sd over seeds "
              f"{', '.join(str(r['seed']) for r in runs if r['arm'] == arms[0])}) of the newest adapter complete at each second of training "
-             f"since the arm's start; base: the shipped model; steps/s: optimizer steps of "
-             f"{matched().completions_per_step} completions done in "
+             f"since the arm's start; base: the untrained model; steps/s: optimizer steps of "
+             f"{matched(args.model, args.task_data).completions_per_step} completions done in "
              f"the {args.budget_s:g} s budget / budget." + (f" Logs and adapters: {work}" if args.work_dir else ""))
     import peft, torch, transformers, trl
     settings = {k: getattr(args, k) for k in ("budget_s", "point_list", "step_list", "seeds", "arms", "eval_size",
-                                              "split", "trl_threads", "train_flags", "gen_flags", "run_flags")}
+                                              "split", "trl_threads", "train_flags", "gen_flags", "run_flags", "model",
+                                              "task_data", "eval_samples")}
     versions = {m.__name__: m.__version__ for m in (trl, peft, transformers, torch)}
     if head := headline(runs, args.point_list):
         print(f"minigrpo - {head['best_trl_arm']} (TRL's best) over {head['late_points']} s: "
               f"{head['margin']:+.3f} ± {head['margin_sd']:.3f}; time to {head['best_trl_arm']}'s final "
               f"{head['target']:.3f}: {head['time_ratio_interpolated']} of the budget (interpolated), "
               f"{head['time_ratio_first_point']} (first point)", flush=True)
-    name = args.name or ("compare_trl" if args.split == "test" else "compare_trl_val")
+    name = args.name or ("compare_trl_real" if args.model != "demo" else "compare_trl" if args.split == "test" else
+                         "compare_trl_val")
     plot_curves(runs, arms, args.point_list, os.path.join(ROOT, "bench", "results", f"{name}.png"))
     report(name, rows, notes, extra={"settings": settings, "versions": versions, "runs": runs, "headline": head})
     if not args.work_dir:

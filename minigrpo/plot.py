@@ -30,7 +30,7 @@ def plot_run(run_dir: str, out: str) -> str:
     train = [by_step[s] for s in sorted(by_step)]
     steps = [r for r in train if r["step"] > 0]
     x = [r["step"] for r in steps]
-    col = lambda key: [r.get(key, float("nan")) for r in steps]
+    col = lambda key, missing=float("nan"): [r.get(key, missing) for r in steps]
     fig = Figure(figsize=(16, 8.5))
     fig.suptitle(f"minigrpo run {run_dir}")
     (reward, ratio, stale), (timing, queue, entropy) = fig.subplots(2, 3)
@@ -54,8 +54,8 @@ def plot_run(run_dir: str, out: str) -> str:
                 (x, col("health/mismatch_kl"), "health/mismatch_kl", "C5")])
 
     parts = {"perf/fwd_bwd_s": "forward+backward", "perf/rollout_wait_s": "rollout wait",
-             "perf/weight_sync_s": "weight sync"}
-    timing.stackplot(x, *map(col, parts), labels=parts.values(), alpha=0.8)
+             "perf/weight_sync_s": "weight sync", "perf/eval_s": "evaluation"}  # eval_s only on the steps that evaluate
+    timing.stackplot(x, *(col(k, 0.0) for k in parts), labels=parts.values(), alpha=0.8)
     timing.plot(x, col("perf/step_s"), color="k", lw=0.5, label="step total")
     timing.set_title("where a step's time goes (s)")
 
