@@ -1,6 +1,5 @@
-"""generate.py: the generation side of minigrpo. Samples G completions per prompt with the adapter named by
-RUN/adapters/LATEST, scores them and writes each group, whole, into RUN/rollouts/ (README, "The algorithm, step by
-step"). It shares nothing with the trainer but the run directory: start as many generators as you like, anywhere.
+"""generate.py: the generation side. Samples G completions per prompt with the adapter RUN/adapters/LATEST names,
+scores them and writes each group whole into RUN/rollouts/. It shares only the run directory: run any number, anywhere.
 
     python generate.py & python train.py                                  # the demo, one CPU machine
     python generate.py --run_dir s3://bucket/run1 --device cuda:0         # one generator per GPU, any machine
@@ -17,7 +16,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
-from safetensors import SafetensorError
 from transformers import AutoTokenizer
 
 from minigrpo.adapters import AdapterStore
@@ -99,12 +97,10 @@ def main():
 
     if meta.get("grader") and meta["grader"] != task.grader:  # rewards from two graders would mix in one run
         raise SystemExit(f"this generator grades with {task.grader}, the run with {meta['grader']}: install the same")
-    batch, written, idle_since = 0, 0, time.time()
     watch = Watch()  # how long the lease has stayed the same: a dead trainer's tells nothing any more
-    skipped, made = set(), {}  # adapter versions that could not be loaded; groups per version
+    batch, written, idle_since, skipped, made = 0, 0, time.time(), set(), {}  # made: groups sampled per version
     while (not cfg.max_batches or batch < cfg.max_batches) and not storage.exists("DONE"):
-        # backpressure: wait while the next batch would leave more than max_ready groups waiting. Lock-step: once
-        # this version has sampled a trainer step's groups (in whole batches), wait for the next version
+        # wait: the next batch would leave > --max_ready waiting, or (lock-step) this version made a step's groups
         waiting, lease = waiting_groups(buffer, watch, writer, written, cfg.prompts_per_batch)
         lockstep = (cfg.lockstep and made.get(engine.version, 0) >= lease["groups_per_step"]
                     and (store.latest() or 0) <= engine.version)
@@ -119,7 +115,7 @@ def main():
                     engine.check_fits(store.url(latest), resolve_model(run.model),
                                       (run.lora_r, run.lora_alpha, run.lora_targets))
                 engine.load_adapter(latest, path)
-            except (OSError, ValueError, KeyError, SafetensorError) as e:  # incomplete or damaged: keep the old one
+            except (OSError, ValueError, KeyError) as e:  # incomplete or damaged: keep the old one
                 skipped.add(latest)
                 print(f"generator {gen_id}: cannot load {path} ({type(e).__name__}: {e}); skipped", flush=True)
         if engine.version is None:  # no version could be loaded yet: wait for the next one (not backpressure)

@@ -4,9 +4,8 @@
     python proxy.py --upstream http://127.0.0.1:8001 --upstream http://127.0.0.1:8002 --port 8000 --api_key KEY
     python generate.py --engine http --url http://127.0.0.1:8000 --api_key KEY & python train.py
 
-Completions go to one replica by KV-prefix affinity (minigrpo/router.py), adapter loads to every replica, all or
-nothing (README, "Many replicas", has the rule for each route). Clients' keys are never passed on: replicas get
---upstream_token (or HF_TOKEN). Answers are buffered whole: no streaming, which RL rollouts do not need.
+Completions go to one replica by KV-prefix affinity, adapter loads to every replica, all or nothing (README, "Many
+replicas"). Replicas get --upstream_token (or HF_TOKEN), never a client's key. Answers are buffered whole: no streaming.
 """
 import asyncio
 import collections
@@ -57,8 +56,7 @@ class Proxy:
         self.auth = P.bearer(cfg.upstream_token or os.environ.get("HF_TOKEN", ""))
         self.loading = collections.defaultdict(asyncio.Lock)  # one load per adapter name at a time
 
-    async def send(self, i: int, request: web.Request, path: str | None = None, method: str | None = None,
-                   body: bytes | None = None) -> Answer:
+    async def send(self, i: int, request: web.Request, path="", method="", body=b"") -> Answer:
         """The client's request to replica i (or, with `path`, one of the proxy's own), less HOP_HEADERS."""
         url = self.upstreams[i] + (path or request.path)
         body = body if path else await request.read()  # the proxy's own body, or the client's

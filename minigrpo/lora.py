@@ -119,10 +119,10 @@ def apply_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int, scal
 
 def adapter_config(r: int, alpha: float, targets, base_model: str, use_rslora: bool = False) -> dict:
     """The adapter_config.json PEFT writes for a LoRA (vLLM reads r, lora_alpha, target_modules, use_rslora)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": r, "lora_alpha": alpha, "target_modules": sorted(targets), "lora_dropout": 0.0,
-            "bias": "none", "fan_in_fan_out": False, "use_rslora": use_rslora, "use_dora": False,
-            "modules_to_save": None, "init_lora_weights": True, "inference_mode": True}
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": r,
+            "lora_alpha": alpha, "target_modules": sorted(targets), "lora_dropout": 0.0, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": use_rslora, "use_dora": False, "modules_to_save": None,
+            "init_lora_weights": True, "inference_mode": True}
 
 
 def adapter_files(state: dict[str, torch.Tensor], config: dict) -> dict[str, bytes]:
@@ -173,8 +173,7 @@ def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor], str]:
 
 
 def load_adapter(model: nn.Module, path: str) -> str:
-    """Load a PEFT adapter directory into a model that inject_lora() wrapped, as a replica does: vLLM's checks, a
-    rank up to the layers' (zero-padded), its own scaling, the layers it leaves out off. Returns its digest."""
+    """Load a PEFT adapter directory into a model that inject_lora() wrapped, as a replica does; returns its digest."""
     config, state, digest = read_adapter(path)
     r, scaling = check_config(config)
     check_adapter(model, state, r)

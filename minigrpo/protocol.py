@@ -1,5 +1,4 @@
-"""The HTTP rules minigrpo/serve.py, proxy.py and the http engine (minigrpo/remote.py) share: vLLM's error body and
-auth rule, the texts clients match on, strict input, the server settings and setup (README, "Many replicas").
+"""The HTTP rules serve.py, proxy.py and remote.py share: vLLM's error body, auth rule and texts, strict input, setup.
 
 Copied from vLLM (v0.27-v0.33 sources): the error body (`ErrorResponse` in vllm/entrypoints/serve/engine/protocol.py),
 the auth rule and its 401 {"error": "Unauthorized"} (vllm/entrypoints/serve/middleware/authenticate.py), "has
@@ -67,8 +66,7 @@ def bearer(key: str) -> dict:
 
 
 def guard(api_key: str, body_timeout_s: float):
-    """The middleware both servers run: vLLM's auth rule, the whole body read within the timeout, then every failure
-    answered as vLLM's JSON error body."""
+    """Both servers' middleware: vLLM's auth rule, the whole body read within the timeout, failures as vLLM's body."""
     @web.middleware
     async def middleware(request: web.Request, handler):
         # the exact key, compared in constant time on the raw bytes (aiohttp keeps non-UTF-8 bytes as surrogates)

@@ -1,7 +1,6 @@
 """HttpEngine: sampling somewhere else, with TorchEngine's interface (load_adapter, generate), on any vLLM-compatible
 server: `vllm serve`, `python -m minigrpo.serve`, or proxy.py in front of several. A version is loaded under its
-directory's name (never reused) and requested as model = that name; names that left the staleness window are
-unloaded. README.md has the retries ("Failure model") and the digests ("Many replicas").
+directory's name (never reused) and requested as model = that name; names that left the staleness window are unloaded.
 """
 import asyncio
 import itertools
@@ -30,8 +29,7 @@ class HttpEngine:
         self.version, self.loaded, self.base = None, {}, None  # loaded: version -> (name, path)
 
         async def session():  # made inside the loop that uses it; a request may take up to 600 s
-            return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600, sock_connect=10),
-                                         headers=P.bearer(api_key))
+            return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(600, sock_connect=10), headers=P.bearer(api_key))
         self.session = self.loop.run_until_complete(session())
 
     async def _call(self, method: str, path: str, body=None) -> tuple[int, str]:
@@ -62,9 +60,8 @@ class HttpEngine:
             raise ServerError(f"{self.url} refused to load {name} from {path}: {status} {text[:300]}")
 
     def check_fits(self, path: str, model: str, lora: tuple):
-        """Refuse an adapter (ValueError) that does not fit the replicas' base model, before any loads it: vLLM loads
-        one made for another model and serves with it. The base is the replica's folder if this machine sees it, else
-        `model`, built once on the meta device (no weights) with LoRA layers (r, alpha, targets) to check against."""
+        """Refuse (ValueError) an adapter that does not fit the replicas' base model before they load it (vLLM serves
+        one made for another): the replica's folder if this machine sees it, else `model`, built on the meta device."""
         if self.base is None:
             cards = json.loads(self.loop.run_until_complete(self._call("GET", "/v1/models"))[1])["data"]
             root = next((c.get("root") for c in cards if c.get("parent") is None), None)

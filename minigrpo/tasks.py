@@ -1,10 +1,9 @@
 """Prompt sets and verifiable rewards. A task hands out Problems (prompt text + reference answer) and scores text.
 
-reverse_add, the demo task: "12+34=" -> "64", the sum 46 written backwards: the digits in reverse order make the
-carry local, so a 2-layer model can learn it. math: problems from --task_data (README, "Real models"); the reward
-is 1 when the answer (after the one </think> of a reasoning model) equals the reference as math-verify judges it:
-spacing, \\left/\\right, \\dfrac, \\text{}, degrees, 1,000, 1/2 = 0.5 = \\frac{1}{2}, (x+1)^2 = x^2+2x+1. The answer
-is the last \\boxed{...}, or (--answer_format, for a model that rarely boxes) the last number or "Answer:" line.
+reverse_add, the demo task: "12+34=" -> "64", the sum written backwards, which makes the carry local (a 2-layer model
+learns it). math: --task_data's problems; the reward is 1 when the last \\boxed{...} (--answer_format: or, for a model
+that rarely boxes, the last number or "Answer:" line) after a reasoning model's one </think> equals the reference as
+math-verify judges it: spacing, \\left/\\right, \\dfrac, \\text{}, degrees, 1,000, 1/2 = 0.5, (x+1)^2 = x^2+2x+1.
 """
 import collections
 import importlib.metadata
@@ -21,7 +20,6 @@ Problem = collections.namedtuple("Problem", "prompt answer")
 
 class ReverseAddition:
     grader = "exact match"  # recorded in run.json and in every group: one grader scores a whole run
-    reward_range = (0.0, 1.0)  # a group with a reward outside it is quarantined
 
     def __init__(self):
         pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
@@ -75,8 +73,6 @@ def math_reward(completion: str, answer: str, reasoning: bool = False, answer_fo
 
 
 class MathTask:
-    reward_range = (0.0, 1.0)
-
     def __init__(self, data: str, fields: str = "problem,answer", reasoning: bool = False, eval_fraction: float = 0.05,
                  answer_format: str = "boxed"):
         self.answer_format = answer_format  # one grader scores a run: math-verify's version and the answer format
