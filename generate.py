@@ -72,7 +72,7 @@ def main():
     run, cfg = parse_config(RunSettings, GenerateConfig)
     gen_id = cfg.generator_id or f"{socket.gethostname()}-{os.getpid()}"
     writer = f"{gen_id}-{uuid.uuid4().hex[:4]}"  # this life's name: a restart never rewrites an old group
-    storage = Storage(cfg.run_dir)
+    storage, task = Storage(cfg.run_dir), make_task(run)  # a bad task setting stops it before it waits for run.json
     if storage.exists("DONE"):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): pass another --run_dir.")
     meta = join_run(storage, run)
@@ -88,7 +88,7 @@ def main():
         api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
         engine = HttpEngine(cfg.url, api_key, cfg.max_inflight, keep=run.max_staleness + 1)
     sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
-    task, buffer, store = make_task(run), RolloutBuffer(storage), AdapterStore(storage, meta["run_id"])
+    buffer, store = RolloutBuffer(storage), AdapterStore(storage, meta["run_id"])
     shown = asdict(cfg) | {"api_key": "***" if cfg.api_key else ""}  # a secret: neither printed nor tracked
     metrics = Metrics(storage, f"generate-{gen_id}", tracker(cfg.report_to, cfg.tracker_project,
                       f"{meta['run_id']}-generate-{gen_id}", asdict(run) | shown))

@@ -105,6 +105,8 @@ class MathTask:
 
 
 def make_task(run) -> "ReverseAddition | MathTask":
+    if run.task_data and run.task != "math":  # SystemExit: the scripts print it as one line, not a traceback
+        raise SystemExit(f"--task_data is read only by --task math, and --task is {run.task}: add --task math")
     if run.task == "reverse_add":
         return ReverseAddition()
     if run.task == "math":

@@ -5,6 +5,9 @@ own field names, and prompts through a chat template. Nothing is downloaded.
     python -m pytest -q tests/test_math.py
 """
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -12,6 +15,7 @@ from minigrpo.demo import build_tokenizer
 from minigrpo.run import RunSettings, parse_config
 from minigrpo.tasks import answer_of, last_boxed, make_task, math_reward, prompt_ids
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = [{"question": f"What is {a} + {b}?", "solution": str(a + b), "id": a} for a in range(20) for b in range(3)]
 
 
@@ -55,6 +59,15 @@ def test_math_task_reads_a_jsonl_with_its_own_field_names(tmp_path):
         make_task(RunSettings(task="math", task_data=str(path)))
     with pytest.raises(ValueError, match="task_data"):
         make_task(RunSettings(task="math"))
+
+
+def test_task_data_without_task_math_is_refused_in_one_line_before_the_generator_waits(tmp_path):
+    with pytest.raises(SystemExit, match="--task_data is read only by --task math, and --task is reverse_add"):
+        make_task(RunSettings(task_data="problems.jsonl"))
+    gen = subprocess.run([sys.executable, "generate.py", "--task_data", "problems.jsonl", "--run_dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # no run.json: it would wait 600 s
+    assert gen.returncode == 1 and gen.stderr.strip().splitlines() == [
+        "--task_data is read only by --task math, and --task is reverse_add: add --task math"], gen.stderr
 
 
 def test_prompts_go_through_the_chat_template_when_there_is_one():
