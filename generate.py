@@ -9,6 +9,7 @@ scores them and writes each group whole into RUN/rollouts/. It shares only the r
 import contextlib
 import os
 import random
+import signal
 import socket
 import time
 import uuid
@@ -155,7 +156,10 @@ def main():
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with SIGINT ignored
     try:
         main()
     except (ServerError, OSError) as e:  # a server that stayed unreachable, a full disk, a refused bucket
         raise SystemExit(f"generate.py: {e}\nEvery group it finished is intact; fix the problem and start it again.")
+    except KeyboardInterrupt:  # Ctrl-C, also on `(python generate.py & python train.py)`: one line, no traceback
+        raise SystemExit("generate.py: interrupted; every group it finished is intact")
