@@ -149,8 +149,6 @@ def main():
         metrics.log(record, f"gen {gen_id} batch {batch} | v{version} | reward {record['reward/mean']:.3f} | "
                             f"{record['rollout/generated_tok_s']:.0f} tok/s | backpressure {backpressure_s:.2f}s")
         idle_since = time.time()
-    if hasattr(engine, "close"):
-        engine.close()
     print(f"generator {gen_id} stopped after {batch} batches", flush=True)
     metrics.finish()
 

@@ -3,6 +3,7 @@ server: `vllm serve`, `python -m minigrpo.serve`, or proxy.py in front of severa
 directory's name (never reused) and requested as model = that name; names that left the staleness window are unloaded.
 """
 import asyncio
+import atexit
 import itertools
 import json
 import os
@@ -31,6 +32,7 @@ class HttpEngine:
         async def session():  # made inside the loop that uses it; a request may take up to 600 s
             return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(600, sock_connect=10), headers=P.bearer(api_key))
         self.session = self.loop.run_until_complete(session())
+        atexit.register(self.close)  # however the process ends: an open session prints "Unclosed client session"
 
     async def _call(self, method: str, path: str, body=None) -> tuple[int, str]:
         """(status, text), retrying transport errors and 5xx for up to retry_s: a starting or restarting server."""
@@ -39,6 +41,8 @@ class HttpEngine:
             try:
                 async with self.session.request(method, self.url + path, json=body) as resp:
                     text = await resp.text()
+                    if resp.status == 401:  # the same key would be refused again: no retry
+                        raise ServerError(f"{self.url} refused the key (401): pass --api_key KEY or MINIGRPO_API_KEY")
                     if resp.status not in (500, 502, 503, 504):
                         return resp.status, text
                     last = f"{resp.status} {text[:300]}"

@@ -3,15 +3,19 @@
     python -m pytest -q tests/test_proxy.py
 """
 import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
-from conftest import call, file_digest, free_port, raw_authorization, save_random_adapter, start
+from conftest import ROOT, call, file_digest, free_port, raw_authorization, save_random_adapter, start
 
 from minigrpo.engine import SamplingParams
 from minigrpo.protocol import already_loaded
 from minigrpo.remote import HttpEngine, ServerError
+from minigrpo.run import RunSettings, create_run
+from minigrpo.storage import Storage
 
 CLIENT, UPSTREAM = "client-key", "replica-token"
 PROMPT = [2, 3, 11, 4, 5, 12]
@@ -147,6 +151,25 @@ def test_http_engine_fails_clearly_when_nothing_listens(fleet):
     with pytest.raises(ServerError, match=fleet["dead"]):
         engine.load_adapter(0, os.fspath(fleet["dir"]))
     engine.close()
+
+
+def test_http_engine_says_which_flag_sets_the_key_a_server_refused(fleet):
+    for key in ("", "wrong"):  # no retry: the same key would be refused again
+        engine = HttpEngine(fleet["proxy"], key, retry_s=60)
+        with pytest.raises(ServerError, match="refused the key \\(401\\): pass --api_key KEY or MINIGRPO_API_KEY"):
+            engine.load_adapter(0, os.fspath(fleet["dir"] / adapter_name(0)))
+        engine.close()
+
+
+def test_generate_without_the_key_exits_with_one_line_and_closes_its_session(fleet, tmp_path):
+    storage = Storage(str(tmp_path / "run"))
+    run_id = create_run(storage, RunSettings(), "exact match")["run_id"]
+    storage.put("adapters/LATEST", f"policy-{run_id}-v000000\n")  # a version to load: the first request is refused
+    env = {k: v for k, v in os.environ.items() if k != "MINIGRPO_API_KEY"}
+    gen = subprocess.run([sys.executable, "generate.py", "--run_dir", str(tmp_path / "run"), "--engine", "http", "--url",
+                          fleet["proxy"]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 1 and "refused the key (401): pass --api_key KEY or MINIGRPO_API_KEY" in gen.stderr
+    assert "Traceback" not in gen.stderr and "Unclosed" not in gen.stderr, gen.stderr
 
 
 def test_http_engine_waits_for_a_server_that_starts_late(tmp_path, capsys):
