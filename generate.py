@@ -112,9 +112,6 @@ def main():
         if (latest := store.latest()) is not None and latest != engine.version and latest not in skipped:
             path = f"{cfg.replica_run_dir.rstrip('/') or storage.url()}/adapters/{store.name(latest)}"
             try:
-                if cfg.engine == "http":  # vLLM would load an adapter made for another model: check it here first
-                    engine.check_fits(store.url(latest), resolve_model(run.model),
-                                      (run.lora_r, run.lora_alpha, run.lora_targets))
                 engine.load_adapter(latest, path)
             except (OSError, ValueError, KeyError) as e:  # incomplete or damaged: keep the old one
                 skipped.add(latest)

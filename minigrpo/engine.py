@@ -1,10 +1,7 @@
-"""The built-in generation engine (CPU or GPU): batched sampling over the LoRA-wrapped model with a KV cache. For
-every sampled token it returns the behaviour log-probability, under the distribution it was actually drawn from:
-log softmax(logits / temperature) in float32, as `vllm serve --logprobs-mode processed_logprobs` reports it. The
-trainer reproduces exactly that number, so at version 0 the ratio is 1. Both engines (remote.py: http) offer:
-
-    engine.load_adapter(version, path)        switch to a published adapter, between batches
-    engine.generate(prompts, params)          -> list (per prompt) of lists (per sample) of Completion
+"""The built-in generation engine (CPU or GPU): batched sampling over the LoRA-wrapped model with a KV cache. Each
+sampled token comes with its behaviour log-prob, log softmax(logits / temperature) in float32 as `vllm serve
+--logprobs-mode processed_logprobs` reports it, which the trainer reproduces exactly (ratio 1 at version 0). Both
+engines (remote.py: http) offer load_adapter(version, path), between batches, and generate(prompts, params).
 """
 from dataclasses import dataclass
 
@@ -55,8 +52,7 @@ class Sampler:
 
 class TorchEngine:
     def __init__(self, model, stop_ids: list[int], pad_id: int, seed: int = 0):
-        self.model, self.stop_ids, self.pad_id = model, list(stop_ids), pad_id
-        self.device = next(model.parameters()).device
+        self.model, self.stop_ids, self.pad_id, self.device = model, list(stop_ids), pad_id, next(model.parameters()).device
         self.rng = torch.Generator(self.device).manual_seed(seed)  # for rows without a seed of their own
         self.version, self.digest = None, ""  # adapter version now loaded, and its digest
 

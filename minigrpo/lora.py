@@ -2,9 +2,8 @@
 
     scaling = alpha / r            plain LoRA (Hu et al., 2021)
     scaling = alpha / sqrt(r)      rsLoRA (Kalajdzievski, 2023), when adapter_config.json says use_rslora: true
-
-Adapters are saved and loaded in PEFT's format (adapter_config.json + adapter_model.safetensors, keys
-`base_model.model.<module>.lora_A.weight`), so peft and vLLM load ours and we load theirs.
+Adapters are in PEFT's format (adapter_config.json, adapter_model.safetensors), so peft and vLLM load ours and we
+load theirs.
 """
 import hashlib
 import json

@@ -1,6 +1,5 @@
-"""Loading a causal LM and its tokenizer, and the token log-probabilities the loss is computed from. `--model demo`
-(the default) is the tiny model shipped in minigrpo/demo_model (made by minigrpo/demo.py); any other name is a local
-folder or a Hugging Face repo id, loaded by the same code.
+"""Loading a causal LM and its tokenizer, and the token log-probabilities the loss is computed from. `--model demo` is
+the tiny model in minigrpo/demo_model (minigrpo/demo.py); any other name is a local folder or a Hugging Face repo id.
 """
 import os
 
@@ -14,12 +13,10 @@ DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_mode
 
 
 def packed_attention(module, query, key, value, attention_mask, packed_plan=None, **kwargs):
-    """transformers' SDPA attention, except on a packed row, given its plan (packed_logprobs reads it once, with
-    plan_packed_row, for every layer): there each sequence attends causally to itself alone, the k runs of one length
-    L in one SDPA call, where a block-diagonal mask would compute all N x N scores and discard most. A run whose
-    positions restart at q > 0 is a branch: it attends to the first q tokens of its sequence, then causally to
-    itself. So the G completions of a prompt share one copy of it (packing.collate), exactly: the prompt's states do
-    not depend on what follows them, and the gradient through them is the sum of the completions' gradients."""
+    """transformers' SDPA attention, except on a packed row with its plan (plan_packed_row): each sequence attends
+    causally to itself alone, the k runs of one length L in one SDPA call (no N x N block-diagonal mask). A run whose
+    positions restart at q > 0 is a branch: it attends to its sequence's first q tokens, then causally to itself, so
+    the G completions of a prompt share one copy of it exactly (packing.collate)."""
     if packed_plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows = lambda x, i: x[0][:, i].transpose(0, 1)  # noqa: E731 (heads, N, d) -> (k, heads, len, d)
@@ -31,8 +28,7 @@ def packed_attention(module, query, key, value, attention_mask, packed_plan=None
 
 
 def plan_packed_row(position_ids: torch.Tensor) -> list[tuple]:
-    """For packed position ids (1, N), read on the host: per run length L, the runs' token indices (k, L), the keys
-    each attends to and the mask over them."""
+    """Packed position ids (1, N) -> per run length L: the runs' token indices (k, L), their keys and mask."""
     pos, dev = position_ids[0], position_ids.device
     starts = [0] + ((pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1).tolist()
     runs = {}  # run length L -> [(start, q, start of its sequence)]
@@ -79,13 +75,11 @@ def pick_device(device: str = "auto") -> torch.device:  # train.py's torchrun ra
 
 
 def load_model(name: str, device: torch.device, dtype: str = "float32"):
-    path = resolve_model(name)
     hf_logging.disable_progress_bar()  # one clean log line per step, no bars
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path := resolve_model(name))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=PACKED_SDPA)
     model.to(device).eval().requires_grad_(False)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     return model, tokenizer
 
 
@@ -149,9 +143,8 @@ def output_head(model) -> torch.nn.Linear:
 
 
 def packed_logprobs(model, ids, pos, where, targets, temperature: float):
-    """log pi(y_t | y_<t) from logits / temperature in float32, with gradient, and the entropy without, (B, T) each,
-    0 past the end, of completions packed in one row by packing.collate (ids, position ids (1, N)): where (B, T) is the
-    row predicting each token, targets (B, T) that token, -1 past the end. Only those rows meet the head, no prompt."""
+    """log pi(y_t | y_<t) (logits / temperature, float32, with gradient) and the entropy, (B, T) each, 0 past the end,
+    of a row packed by packing.collate: where (B, T) is the row predicting each token, targets (B, T) that token."""
     if model.config._attn_implementation != PACKED_SDPA:
         raise ValueError(f"packed rows need attn_implementation={PACKED_SDPA!r} (load_model sets it), the model has "
                          f"{model.config._attn_implementation!r}")

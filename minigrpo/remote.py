@@ -1,6 +1,6 @@
-"""HttpEngine: sampling somewhere else, with TorchEngine's interface (load_adapter, generate), on any vLLM-compatible
-server: `vllm serve`, `python -m minigrpo.serve`, or proxy.py in front of several. A version is loaded under its
-directory's name (never reused) and requested as model = that name; names that left the staleness window are unloaded.
+"""HttpEngine: TorchEngine's interface (load_adapter, generate) on `vllm serve`, `python -m minigrpo.serve` or proxy.py.
+A version is loaded under its directory's (never reused) name and requested as model = that name, then unloaded once
+it leaves the staleness window.
 """
 import asyncio
 import atexit
@@ -10,12 +10,9 @@ import os
 import time
 
 import aiohttp
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from minigrpo import protocol as P
 from minigrpo.engine import Completion, SamplingParams
-from minigrpo.lora import check_adapter, check_config, inject_lora, read_adapter
 
 
 class ServerError(RuntimeError):
@@ -27,7 +24,7 @@ class HttpEngine:
         self.url, self.keep, self.retry_s = url.rstrip("/"), keep, retry_s
         self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
         self.inflight = asyncio.Semaphore(max_inflight)
-        self.version, self.loaded, self.base = None, {}, None  # loaded: version -> (name, path)
+        self.version, self.loaded = None, {}  # loaded: version -> (name, path)
 
         async def session():  # made inside the loop that uses it; a request may take up to 600 s
             return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(600, sock_connect=10), headers=P.bearer(api_key))
@@ -62,19 +59,6 @@ class HttpEngine:
                 raise ServerError(f"{self.url} already serves {name} from {there}, not from {path}")
         elif status != 200:
             raise ServerError(f"{self.url} refused to load {name} from {path}: {status} {text[:300]}")
-
-    def check_fits(self, path: str, model: str, lora: tuple):
-        """Refuse (ValueError) an adapter that does not fit the replicas' base model before they load it (vLLM serves
-        one made for another): the replica's folder if this machine sees it, else `model`, built on the meta device."""
-        if self.base is None:
-            cards = json.loads(self.loop.run_until_complete(self._call("GET", "/v1/models"))[1])["data"]
-            root = next((c.get("root") for c in cards if c.get("parent") is None), None)
-            with torch.device("meta"):
-                self.base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
-                    root if root and os.path.isdir(root) else model))
-            inject_lora(self.base, *lora)
-        config, state, _ = read_adapter(path)
-        check_adapter(self.base, state, check_config(config)[0])
 
     def load_adapter(self, version: int, path: str):
         path = path if "://" in path else os.path.abspath(path)  # as the server will find it

@@ -1,5 +1,4 @@
-"""Prompt sets and verifiable rewards. A task hands out Problems (prompt text + reference answer) and scores text.
-
+"""Prompt sets and verifiable rewards: a task hands out Problems (prompt text + reference answer) and scores text.
 reverse_add, the demo task: "12+34=" -> "64", the sum written backwards, which makes the carry local (a 2-layer model
 learns it). math: --task_data's problems; the reward is 1 when the last \\boxed{...} (--answer_format: or, for a model
 that rarely boxes, the last number or "Answer:" line) after a reasoning model's one </think> equals the reference as

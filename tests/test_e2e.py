@@ -43,6 +43,8 @@ def test_accuracy_rises(demo_run):
     evals = eval_records(demo_run)
     assert evals[0]["step"] == 0 and evals[-1]["step"] == STEPS
     assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.08, evals
+    # evaluation's time is its own metric, inside perf/step_s and not inside perf/fwd_bwd_s
+    assert all(0 < r["perf/eval_s"] < r["perf/step_s"] - r["perf/fwd_bwd_s"] + 1e-3 for r in evals[1:])
 
 
 def test_every_group_was_trained_exactly_once(demo_run):
