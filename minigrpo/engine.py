@@ -6,12 +6,9 @@ engines (remote.py: http) offer load_adapter(version, path), between batches, an
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, __version__
+from transformers import DynamicCache
 
 from minigrpo.lora import load_adapter
-
-if tuple(map(int, __version__.split(".")[:2])) < (5, 24):  # older ones ignore cache=: every step would lack the cache
-    raise ImportError(f"minigrpo needs transformers >= 5.24 (requirements.txt pins 5.24.0), this is {__version__}")
 
 
 @dataclass
