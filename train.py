@@ -1,17 +1,22 @@
 """train.py: the training side of minigrpo.
 
-Reads scored groups from RUN/rollouts/, computes GRPO on the LoRA weights only, and publishes a new adapter version
-into RUN/adapters/ every --sync_every steps. The run directory is the only thing it shares with the generators.
+Reads scored groups from RUN/rollouts/, drops those more than --max_staleness adapter versions old,
+computes GRPO on the LoRA weights only, and publishes a new adapter version into RUN/adapters/ every
+--sync_every steps. It never talks to a generator: the run directory is the only thing they share.
 
     python generate.py & python train.py                # the demo on a laptop CPU, a few minutes
     python train.py --run_dir s3://bucket/run1 ...      # any machine that reaches the bucket (or a shared folder)
     torchrun --nproc_per_node 4 train.py ...            # data-parallel on 4 GPUs (rank 0 reads and publishes)
     (killed? run the same command again: it resumes from the newest intact checkpoint in RUN/checkpoints/)
 
-Where it departs from the GRPO paper, on purpose: old_logp is the generator's own log-prob of each token (TRL's
-AsyncGRPO; --old_logp recompute: the current weights, detached, with truncated importance sampling against the
-generator's); one optimizer step per batch, no PPO epochs; no reference model or KL penalty (DAPO, Dr. GRPO); stale
-groups are dropped whole and counted, never reweighted.
+Where it departs from the GRPO paper, on purpose:
+  1. Asynchronous: old_logp is the generator's own log-prob of each token (the behaviour policy, TRL's
+     AsyncGRPO), so the clipped ratio is the off-policy control. --old_logp recompute takes pi_old to be the
+     current weights instead, with truncated importance sampling against the behaviour policy (oat style). With
+     one optimizer step per batch, those are the trainer's own log-probs, detached: it costs no extra pass.
+  2. One optimizer step per batch of groups; no PPO epochs over the same data.
+  3. No reference model and no KL penalty, as in DAPO and Dr. GRPO.
+  4. Stale groups are dropped whole and counted, never reweighted.
 """
 import math
 import os
@@ -23,6 +28,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save
 
 from minigrpo.adapters import AdapterStore
 from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
@@ -31,7 +37,7 @@ from minigrpo.grpo import LossConfig, advantages, combine_metrics, grpo_loss, ze
 from minigrpo.lora import adapter_config, inject_lora, load_lora_state_dict, lora_state_dict
 from minigrpo.model import load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
 from minigrpo.packing import Sample, collate, micro_batches
-from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
+from minigrpo.rollouts import Ledger, RolloutBuffer, check_group, to_tensors
 from minigrpo.run import Lease, Metrics, RunSettings, create_run, fault, parse_config, tracker
 from minigrpo.storage import Storage
 from minigrpo.tasks import make_task, prompt_ids, score
@@ -92,7 +98,7 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats)
             else:
                 fresh.append(g)
         for g, gap, tol in (lies := audit(fresh)):
-            buffer.quarantine(g.group_id, g, f"PolicyMismatch: policy_version: v{g.policy_version}'s "
+            buffer.quarantine(g.group_id, save(*to_tensors(g)), f"PolicyMismatch: policy_version: v{g.policy_version}'s "
                               f"weights give a mean |log pi - log mu| of {gap:.4f} a token (tolerance {tol:g})", stats)
         caught, lied = caught + [g for g, *_ in lies], {id(g) for g, *_ in lies}
         groups += [g for g in fresh if id(g) not in lied]
@@ -139,7 +145,8 @@ def audit(model, groups, weights_of, run, cfg, device) -> list:
             continue
         load_lora_state_dict(model, weights)
         mine = [g for g in groups if g.policy_version == v]
-        samples = build_samples(mine, run, cfg)[0]
+        samples = [Sample(g.prompt_ids + c, len(g.prompt_ids), lp, 0.0) for g in mine
+                   for c, lp in zip(g.completion_ids, g.behavior_logprobs)]
         owner, gap = {id(s): i // run.group_size for i, s in enumerate(samples)}, [0.0] * len(mine)
         with torch.no_grad():
             for mb in micro_batches(samples, cfg.micro_batch_tokens):
@@ -342,7 +349,7 @@ def main():
             print(f"NON-FINITE STEP {step} SKIPPED: loss {m['loss']}, grad norm {m['grad_norm']}; its groups go to "
                   f"bad/: {[g.group_id for g in groups]}", flush=True)
             for g in groups:
-                buffer.quarantine(g.group_id, g, f"NonFinite: loss: {m['loss']} at step {step}", stats)
+                buffer.quarantine(g.group_id, save(*to_tensors(g)), f"NonFinite: loss: {m['loss']} at step {step}", stats)
         if step % cfg.sync_every == 0:
             version, sync_s = publish(store, lease, model, version + 1, peft_config, run, step)
         # the record's version is the one this step just published; staleness was measured before it

@@ -68,5 +68,5 @@ class AdapterStore:
                 self.kept[version] = load(data), adapter_digest(data)
         return self.kept.get(version, (None, ""))
 
-    def digest(self, version: int) -> str:  # "" if the weights are gone
+    def digest(self, version: int) -> str:
         return self.weights(version)[1]

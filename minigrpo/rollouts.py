@@ -168,9 +168,8 @@ class RolloutBuffer:
         now = time.monotonic()
         return {"waiting": len(self.order), "seen": self.seen, "writers": sum(now - t < window_s for t in self.active.values())}
 
-    def quarantine(self, group_id: str, data: "bytes | Exception | Group", reason: str, stats: dict):
+    def quarantine(self, group_id: str, data: bytes | Exception, reason: str, stats: dict):
         """Keep the evidence in bad/ (under a name any store takes), then remove the entry from rollouts/."""
-        data = save(*to_tensors(data)) if isinstance(data, Group) else data
         stats["bad_total"] = stats.get("bad_total", 0) + 1
         self.reasons[re.match(r"[\w ]*(: \w+)?", reason)[0]] += 1
         safe = group_id if re.fullmatch(r"[\w.-]{1,100}", group_id, re.ASCII) else re.sub(r"[^\w.-]", "_", group_id[:80], flags=re.ASCII) \
@@ -191,7 +190,8 @@ class RolloutBuffer:
 
 
 def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_of=None, reward_range=(0.0, 1.0)):
-    """The trainer's checks against run.json and the task's reward range; digest_of(v): version v's digest or ""."""
+    """The trainer's checks against run.json's bounds and the task's reward range; digest_of(v) is the digest of
+    version v ("" if unknown)."""
     if group.run_id != run["run_id"]:
         raise ValueError(f"run_id: written for run {group.run_id!r}, this run is {run['run_id']!r} (a copy)")
     if (G := len(group.completion_ids)) != run["group_size"]:
@@ -217,5 +217,5 @@ def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_o
                                f"{group.policy_version} is {expected} (a replica served other weights)")
 
 
-class AttributionError(ValueError):  # a group whose adapter digest is not the one of the version it names
-    pass
+class AttributionError(ValueError):
+    """A group whose adapter digest is not the one of the version it names."""

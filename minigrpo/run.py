@@ -176,7 +176,8 @@ class Lease:
         self.info |= {"epoch": max([theirs["epoch"], *epochs]) + 1,  # a new run has committed no checkpoint
                       "checkpoints": theirs["checkpoints"] if raw is not None or epochs else []}
         if self.info["epoch"] > 999_999:  # names carry it in six digits, which must sort as numbers
-            raise SystemExit(f"{self.storage.url()}: owner.json or metrics/ claim epoch {self.info['epoch'] - 1}: past 999998")
+            raise SystemExit(f"{self.storage.url('owner.json')} or metrics/ claim epoch {self.info['epoch'] - 1}: past "
+                             f"999998, the most a run takes; a hostile lease? restore it or use another --run_dir")
         self.write()
         self.beat = threading.Thread(target=self._beat, daemon=True)
         self.beat.start()
