@@ -43,6 +43,7 @@ class GenerateConfig:
     max_ready: int = field(default=64, metadata={"help": "backpressure: most groups left waiting for the trainer"})
     seed: int = field(default=0, metadata={"help": "seed for prompts and sampling (mixed with generator_id)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
+    dtype: str = field(default="float32", metadata={"help": "model weights: float32 | bfloat16 | float16"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the trainer)"})
     poll_s: float = field(default=0.02, metadata={"help": "how often to look at LATEST, rollouts/ and DONE while waiting"})
     max_batches: int = field(default=0, metadata={"help": "stop after this many batches (0: until DONE)"})
@@ -71,7 +72,7 @@ def waiting_groups(buffer: RolloutBuffer, watch: Watch, writer: str, written: in
 def main():
     run, cfg = parse_config(RunSettings, GenerateConfig)
     gen_id = cfg.generator_id or f"{socket.gethostname()}-{os.getpid()}"
-    writer = f"{gen_id}-{uuid.uuid4().hex[:16]}"  # this life's name: a restart never rewrites an old group
+    writer = f"{gen_id}-{uuid.uuid4().hex[:4]}"  # this life's name: a restart never rewrites an old group
     storage, task = Storage(cfg.run_dir), make_task(run)  # a bad task setting stops it before it waits for run.json
     if storage.exists("DONE"):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): pass another --run_dir.")
@@ -80,7 +81,7 @@ def main():
     torch.set_num_threads(cfg.threads)
     rng = random.Random(f"{cfg.seed}-{gen_id}")
     if cfg.engine == "torch":  # only the torch engine holds the model here; the http engine needs just the tokenizer
-        model, tokenizer = load_model(run.model, pick_device(cfg.device), run.generator_dtype)
+        model, tokenizer = load_model(run.model, pick_device(cfg.device), cfg.dtype)
         inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
         engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, rng.getrandbits(63))
     else:
@@ -88,7 +89,7 @@ def main():
         api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
         engine = HttpEngine(cfg.url, api_key, cfg.max_inflight, keep=run.max_staleness + 1)
     sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
-    buffer, store = RolloutBuffer(storage, meta["run_id"]), AdapterStore(storage, meta["run_id"])
+    buffer, store = RolloutBuffer(storage), AdapterStore(storage, meta["run_id"])
     shown = asdict(cfg) | {"api_key": "***" if cfg.api_key else ""}  # a secret: neither printed nor tracked
     metrics = Metrics(storage, f"generate-{gen_id}", tracker(cfg.report_to, cfg.tracker_project,
                       f"{meta['run_id']}-generate-{gen_id}", asdict(run) | shown))

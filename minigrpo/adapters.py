@@ -8,14 +8,12 @@ and stays when retention deletes the weights, so no restart and no deposed train
 import contextlib
 import re
 
-from safetensors.torch import load
-
 from minigrpo.lora import adapter_digest, adapter_files
 
 
 class AdapterStore:
     def __init__(self, storage, run_id: str):
-        self.storage, self.run_id, self.kept, self.token, self.kept_from = storage, run_id, {}, None, None
+        self.storage, self.run_id, self.digests, self.token, self.kept_from = storage, run_id, {}, None, None
         self.pattern = re.compile(rf"^policy-{re.escape(run_id)}-v(\d{{6,}})$")
 
     def name(self, version: int) -> str:
@@ -46,7 +44,7 @@ class AdapterStore:
             except FileExistsError:
                 version += 1
         self.storage.put(f"adapters/{self.name(version)}/adapter_model.safetensors", files["adapter_model.safetensors"])
-        self.kept[version] = load(files["adapter_model.safetensors"]), adapter_digest(files["adapter_model.safetensors"])
+        self.digests[version] = adapter_digest(files["adapter_model.safetensors"])
         return version
 
     def set_latest(self, version: int, keep: int):
@@ -58,15 +56,12 @@ class AdapterStore:
         old = range(max(0, version - keep - 1) if self.kept_from is None else self.kept_from, version - keep)
         self.storage.delete([f"adapters/{self.name(v)}/adapter_model.safetensors" for v in old])
         self.kept_from = max(old.start, version - keep)
-        self.kept = {v: kept for v, kept in self.kept.items() if v >= version - keep}
-
-    def weights(self, version: int) -> tuple[dict | None, str]:
-        """(a version's LoRA tensors, their digest), or (None, "") once they are gone; read once, kept in the window."""
-        if version not in self.kept:
-            with contextlib.suppress(FileNotFoundError):
-                data = self.storage.get(f"adapters/{self.name(version)}/adapter_model.safetensors")
-                self.kept[version] = load(data), adapter_digest(data)
-        return self.kept.get(version, (None, ""))
+        self.digests = {v: digest for v, digest in self.digests.items() if v not in old}
 
     def digest(self, version: int) -> str:
-        return self.weights(version)[1]
+        """The digest of a version's weights ("" if they are gone), computed once."""
+        if version not in self.digests:
+            with contextlib.suppress(FileNotFoundError):
+                weights = self.storage.get(f"adapters/{self.name(version)}/adapter_model.safetensors")
+                self.digests[version] = adapter_digest(weights)
+        return self.digests.get(version, "")

@@ -24,15 +24,14 @@ from typing import Literal
 import torch
 
 def advantages(rewards: torch.Tensor, G: int, scale_rewards: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """rewards (N*G,) in group order -> advantages (N*G,), in float64 so a huge finite reward cannot overflow the
-    mean or std. Zero-std groups get exactly 0, never NaN."""
+    """rewards (N*G,) in group order -> advantages (N*G,). Zero-std groups get exactly 0, never NaN."""
     if G < 2:
         raise ValueError(f"GRPO needs at least 2 completions per group, got G={G}")
-    r = rewards.double().view(-1, G)  # (N, G)
+    r = rewards.float().view(-1, G)  # (N, G)
     adv = r - r.mean(1, keepdim=True)  # (N, G)
     if scale_rewards:
         adv = adv / (r.std(1, keepdim=True) + eps)  # unbiased std (ddof=1), the majority convention
-    return torch.where(zero_std_groups(r, G)[:, None], 0.0, adv).view(-1).float()
+    return torch.where(zero_std_groups(r, G)[:, None], 0.0, adv).view(-1)
 
 
 def zero_std_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ class Sample:
     prompt_len: int
     behav: list[float]  # the sampler's log-prob of each completion token
     adv: float
+    gap: float = 0.0  # sum over its tokens of |log pi_theta - log mu|, set by train.py's train_step
 
 
 def micro_batches(samples, budget: int):

@@ -3,7 +3,6 @@ of one prompt, all sampled with one adapter version) is one safetensors object, 
 written once and never moved: tensors for the ids and log-probs, string metadata for the rest. Also here: the
 trainer's Ledger of consumed groups, quarantine and garbage collection (README, "The run directory").
 """
-import collections
 import errno
 import hashlib
 import json
@@ -24,7 +23,7 @@ DTYPES = {"prompt_ids": INTS, "completion_ids": INTS, "completion_lens": INTS, "
           "rewards": (torch.float32,), "truncated": (torch.bool,)}
 FLAT, PADDED = ("prompt_ids", "rewards", "truncated"), ("completion_ids", "behavior_logprobs")  # Group's tensors
 META = {"policy_version": int, "temperature": float, "adapter_digest": str, "group_id": str, "generator_id": str,
-        "started_at": float, "finished_at": float, "grader": str, "run_id": str}  # the Group fields kept as string metadata
+        "started_at": float, "finished_at": float, "grader": str}  # the Group fields kept as string metadata
 
 
 @dataclass
@@ -43,7 +42,6 @@ class Group:
     started_at: float = 0.0
     finished_at: float = 0.0
     grader: str = ""  # the task's grader that scored the rewards (tasks.py)
-    run_id: str = ""  # run.json's run_id, set when written: a group copied from another run is refused
 
 
 def to_tensors(group: Group) -> tuple[dict, dict]:
@@ -60,8 +58,8 @@ def read_group(data: bytes, group_id: str) -> Group:
     metadata = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
     if metadata.get("format") != FORMAT:
         raise ValueError(f"format is {metadata.get('format')!r}, expected {FORMAT!r}")
-    if (named := metadata.pop("group_id", None)) != group_id:  # the same bytes under a second name: trained once
-        raise ValueError(f"group_id: this group was written as {named!r}, found as {group_id!r} (a copy)")
+    if metadata.pop("group_id", group_id) not in (group_id, ""):  # the same bytes under a second name: trained once
+        raise ValueError(f"group_id: this group was written under another name, found as {group_id!r} (a copy)")
     if missing := DTYPES.keys() - tensors.keys():
         raise ValueError(f"missing tensors {sorted(missing)}")
     for name, kinds in DTYPES.items():
@@ -114,16 +112,15 @@ class Ledger:
 
 
 class RolloutBuffer:
-    def __init__(self, storage, run_id: str = ""):
-        self.storage, self.run_id, self.order = storage, run_id, {}  # order: unconsumed ids in the order first seen
+    def __init__(self, storage):
+        self.storage, self.order = storage, {}  # order: unconsumed group ids in the order first seen (FIFO)
         self.seen, self.active = {}, {}  # each writer's last sequence number in the last listing; when it last grew
-        self.reasons = collections.Counter()  # quarantines by kind ("ValueError: rewards"), for the trainer's stop line
 
     def write(self, groups: list[Group], writer: str, seq: int) -> list[str]:
-        """Add finished groups, one object each, numbered from seq on, create-only: a name taken is a FileExistsError."""
+        """Add finished groups, one object each, numbered from seq on (together: one round trip on a bucket)."""
         for i, group in enumerate(groups):
-            group.group_id, group.generator_id, group.run_id = f"{writer}-{seq + i:06d}", writer, self.run_id
-        self.storage.put_many({group_key(g.group_id): save(*to_tensors(g)) for g in groups}, create=True)
+            group.group_id, group.generator_id = f"{writer}-{seq + i:06d}", writer
+        self.storage.put_many({group_key(g.group_id): save(*to_tensors(g)) for g in groups})
         return [g.group_id for g in groups]
 
     def listed(self) -> list[str]:
@@ -171,7 +168,6 @@ class RolloutBuffer:
     def quarantine(self, group_id: str, data: bytes | Exception, reason: str, stats: dict):
         """Keep the evidence in bad/ (under a name any store takes), then remove the entry from rollouts/."""
         stats["bad_total"] = stats.get("bad_total", 0) + 1
-        self.reasons[re.match(r"[\w ]*(: \w+)?", reason)[0]] += 1
         safe = group_id if re.fullmatch(r"[\w.-]{1,100}", group_id, re.ASCII) else re.sub(r"[^\w.-]", "_", group_id[:80], flags=re.ASCII) \
             + "-" + hashlib.sha256(group_id.encode(errors="surrogateescape")).hexdigest()[:12]
         self.storage.put(f"bad/{safe}.reason.txt", f"{group_id!r}: {reason}\n")
@@ -189,19 +185,14 @@ class RolloutBuffer:
         fenced(self.storage.delete, keys[len(keys) // 2:])
 
 
-def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_of=None, reward_range=(0.0, 1.0)):
-    """The trainer's checks against run.json's bounds and the task's reward range; digest_of(v) is the digest of
-    version v ("" if unknown)."""
-    if group.run_id != run["run_id"]:
-        raise ValueError(f"run_id: written for run {group.run_id!r}, this run is {run['run_id']!r} (a copy)")
+def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_of=None):
+    """The trainer's checks against run.json's bounds; digest_of(v) is the digest of version v ("" if unknown)."""
     if (G := len(group.completion_ids)) != run["group_size"]:
         raise ValueError(f"group_size: the group has {G} completions, the run's is {run['group_size']}")
     if not math.isclose(group.temperature, run["temperature"], rel_tol=0, abs_tol=1e-6):
         raise ValueError(f"temperature: sampled at {group.temperature}, the run uses {run['temperature']}")
     if run.get("grader") and group.grader != run["grader"]:  # rewards from another grader would mix in
         raise ValueError(f"grader: scored by {group.grader or 'an unnamed grader'!r}, the run's is {run['grader']!r}")
-    if outside := [r for r in group.rewards if not reward_range[0] <= r <= reward_range[1]]:
-        raise ValueError(f"rewards: {outside[:3]} outside the task's range {list(reward_range)}")
     if group.policy_version > version:
         raise ValueError(f"policy_version {group.policy_version} is from the future (trainer at {version})")
     if not 1 <= len(group.prompt_ids) <= run["max_prompt_len"]:

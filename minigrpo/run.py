@@ -38,8 +38,6 @@ class RunSettings:
     max_new_tokens: int = field(default=8, metadata={"help": "completion length limit (also Dr. GRPO's constant)"})
     max_prompt_len: int = field(default=2048, metadata={"help": "longest prompt in tokens; longer groups are refused"})
     max_staleness: int = field(default=4, metadata={"help": "drop groups more than this many adapter versions old"})
-    generator_dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={"help": "the "
-        "generators' weights (vLLM: its --dtype); the trainer's policy check allows for their rounding"})
 
     def is_fresh(self, trainer_version: int, policy_version: int) -> bool:
         """The staleness window: drop a group more than max_staleness versions behind (strict >, as TRL does)."""
@@ -101,16 +99,10 @@ def join_run(storage, settings: RunSettings, timeout_s: float = 600.0) -> dict:
     return theirs
 
 
-def here() -> dict:
-    """What makes a pid mean one process: the host, its boot, and the PID namespace (two containers share a hostname)."""
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        return {"host": socket.gethostname(), "boot": f.read().strip(), "pidns": os.stat("/proc/self/ns/pid").st_ino}
-
-
 def dead_here(lease: dict) -> bool:
-    """A killed trainer on this same host, boot and PID namespace: its lease can be taken at once (a restart)."""
+    """A killed trainer on this same host: its lease can be taken at once (a restart after SIGKILL)."""
     try:
-        if {k: lease[k] for k in ("host", "boot", "pidns")} == here() and lease["pid"] > 0:
+        if lease["host"] == socket.gethostname() and lease["pid"] > 0:
             os.kill(lease["pid"], 0)  # signal 0 only asks whether the process exists
     except ProcessLookupError:
         return True
@@ -119,7 +111,7 @@ def dead_here(lease: dict) -> bool:
     return False
 
 
-LEASE = {"owner": "", "host": "", "boot": "", "pidns": 0, "pid": 0, "epoch": 0, "timeout_s": 60.0, "checkpoints": None, "waiting": -1,
+LEASE = {"owner": "", "host": "", "pid": 0, "epoch": 0, "timeout_s": 60.0, "checkpoints": None, "waiting": -1,
          "seen": {}, "writers": 0, "groups_per_step": 1}  # the fields readers rely on, and their defaults
 
 
@@ -156,8 +148,8 @@ class Lease:
 
     def __init__(self, storage, timeout_s: float = 60.0, **about):  # about: what generators may read (groups_per_step)
         self.storage, self.timeout_s, self.lock, self.stop = storage, timeout_s, WRITING, threading.Event()
-        self.info = {"owner": uuid.uuid4().hex[:12], **here(), "pid": os.getpid(), "beat": 0, "timeout_s": timeout_s,
-                     **about}
+        self.info = {"owner": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(), "beat": 0,
+                     "timeout_s": timeout_s, **about}
 
     def acquire(self) -> dict | None:
         """Take the lease if it is absent, its owner died here, or it stays unchanged for timeout_s; refuse if it
@@ -175,9 +167,6 @@ class Lease:
         epochs = [int(m[1]) for name in self.storage.list("metrics") if (m := re.match(r"train-e(\d+)-", name))]
         self.info |= {"epoch": max([theirs["epoch"], *epochs]) + 1,  # a new run has committed no checkpoint
                       "checkpoints": theirs["checkpoints"] if raw is not None or epochs else []}
-        if self.info["epoch"] > 999_999:  # names carry it in six digits, which must sort as numbers
-            raise SystemExit(f"{self.storage.url('owner.json')} or metrics/ claim epoch {self.info['epoch'] - 1}: past "
-                             f"999998, the most a run takes; a hostile lease? restore it or use another --run_dir")
         self.write()
         self.beat = threading.Thread(target=self._beat, daemon=True)
         self.beat.start()

@@ -49,9 +49,8 @@ class Storage:
         objects = {k: d.encode(errors="surrogateescape") if isinstance(d, str) else d for k, d in objects.items()}
         if not self.local:
             with self._naming("write", next(iter(objects), "")):
-                if create:  # If-None-Match on S3
-                    with ThreadPoolExecutor(16) as pool:
-                        return list(pool.map(lambda k: self.fs.pipe_file(f"{self.root}/{k}", objects[k], mode="create"), objects))
+                if create:
+                    return [self.fs.pipe_file(f"{self.root}/{k}", v, mode="create") for k, v in objects.items()]
                 return self.fs.pipe({f"{self.root}/{k}": v for k, v in objects.items()})
         for key, data in objects.items():
             folder = os.path.dirname(f"{self.root}/{key}")
