@@ -5,21 +5,19 @@ As in vLLM's prefix cache (not its exact hashes), a prompt is cut into 16-token 
 with the model (adapter) name; the last block may be partial. A replica owns the blocks sent to it (a bounded LRU
 table). The template every prompt starts with is found from the data: blocks every replica owns, or that two
 different blocks follow. The longest prefix past it wins while its replica is at most `imbalance` requests ahead
-of the least loaded; otherwise the least loaded gets the request (round-robin on ties). Only a prompt's first
-max_prompt_blocks blocks count, so memory is bounded by max_blocks hashes (about 0.6 KB each), never by prompts.
+of the least loaded; otherwise the least loaded gets the request (round-robin on ties).
 """
 import array
 import collections
+import functools
 import hashlib
 import itertools
 import json
 
 
 class PrefixRouter:
-    def __init__(self, n: int, block_size: int = 16, imbalance: int = 32, max_blocks: int = 500_000,
-                 max_prompt_blocks: int = 1024):
+    def __init__(self, n: int, block_size: int = 16, imbalance: int = 32, max_blocks: int = 500_000):
         self.n, self.block_size, self.imbalance, self.max_blocks = n, block_size, imbalance, max_blocks
-        self.max_prompt_blocks = max_prompt_blocks
         self.table = collections.OrderedDict()  # block hash -> (owners: set[int], successors: set[bytes]), LRU
         self.turns = itertools.count()  # round-robin among equally loaded replicas
 
@@ -30,7 +28,7 @@ class PrefixRouter:
             data, size = array.array("q", prompt).tobytes(), 8
         except (OverflowError, TypeError):
             data, size = json.dumps(prompt).encode(), 4
-        hashes = chain(model, data[:size * self.block_size * self.max_prompt_blocks], size * self.block_size)
+        hashes = chain(model, data, size * self.block_size)
         matched, owners_so_far, common, fanout = [0] * self.n, set(range(self.n)), 0, 0
         for depth, h in enumerate(hashes, 1):
             owners, successors = self.table.get(h, (set(), set()))  # a block nobody owns ends the match below
@@ -66,6 +64,7 @@ class PrefixRouter:
             self.table.popitem(last=False)
 
 
+@functools.lru_cache(maxsize=4096)  # a prompt comes G times in a row: hash its blocks once
 def chain(model: str, data: bytes, size: int) -> tuple[bytes, ...]:
     # the seed: the model name (surrogatepass: JSON can carry a lone surrogate, which plain UTF-8 refuses)
     hashes = [hashlib.blake2b(model.encode("utf-8", "surrogatepass"), digest_size=16).digest()]
