@@ -108,7 +108,7 @@ def trl_worker(args):
     dataset = Dataset.from_list([{"prompt": system + [{"role": "user", "content": p.prompt}] if chat else p.prompt,
                                   "answer": p.answer} for p in train_set])
 
-    def reverse_add(prompts, completions, completion_ids, answer, **_):
+    def reward(prompts, completions, completion_ids, answer, **_):
         """minigrpo's reward, through minigrpo's score: the same decoding (special tokens stripped) and comparison."""
         problems = [Problem("", a) for a in answer]
         return [r[0] for r in score(task, tokenizer, problems, [[SimpleNamespace(token_ids=c)] for c in completion_ids])]
@@ -154,7 +154,7 @@ def trl_worker(args):
                 control.should_training_stop = True
             return control
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reverse_add, args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config, callbacks=[WallClock()])
     print("effective:", {k: getattr(config, k) for k in ("loss_type", "scale_rewards", "epsilon", "epsilon_high", "beta",
           "num_iterations", "mask_truncated_completions", "generation_batch_size", "steps_per_generation",

@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import ROOT, free_port, start, train_records
 from test_vllm import KEY, SERVE_FLAGS, Replica, run_id, vllm_python
 
