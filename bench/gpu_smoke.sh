@@ -310,21 +310,25 @@ for s in sorted(k for k in by_step if k > 0):
 print(f"MFU {sum(mfus) / max(len(mfus), 1):.1%}, the mean over the steps that are not a life's first (4N a token, not "
       f"6N: the base weights are frozen); dt excludes the evaluation (perf/step_s - perf/eval_s), MFU and tok/s use "
       f"perf/fwd_bwd_s")
-# perf/peak_mem_gb is torch.cuda.max_memory_allocated of the trainer's process: a running maximum since it started.
-# A step's value is training alone only while no evaluation has run in that life yet (the resumed life's first step).
+# perf/peak_mem_gb is torch.cuda.max_memory_allocated of the trainer's process: a running maximum since it started,
+# so a step's value is training alone only while no evaluation has run in that life yet (the resumed life's first
+# step). Where train.py resets it each step and logs perf/eval_peak_mem_gb apart, each is read as it is.
 for epoch, rs in lives.items():
-    evaluated, train_only, both = False, None, 0.0
+    steps, mem = [r["step"] for r in rs], [r["perf/peak_mem_gb"] for r in rs if "perf/peak_mem_gb" in r]
+    if evals := [r["perf/eval_peak_mem_gb"] for r in rs if "perf/eval_peak_mem_gb" in r]:
+        print(f"peak GB, trainer life {epoch} (steps {steps}): training {max(mem):.1f}, evaluation {max(evals):.1f}")
+        continue
+    evaluated, train_only = False, None
     for r in rs:
         evaluated |= "eval/accuracy" in r
-        if "perf/peak_mem_gb" in r:
-            both = max(both, r["perf/peak_mem_gb"])
-            train_only = train_only if evaluated else max(train_only or 0.0, r["perf/peak_mem_gb"])
-    steps = [r["step"] for r in rs]
-    print(f"peak GB, trainer life {epoch} (steps {steps}): {both:.1f} with its evaluations; training alone "
-          + ("not separable (it evaluated first)" if train_only is None else f"{train_only:.1f}"))
+        if "perf/peak_mem_gb" in r and not evaluated:
+            train_only = max(train_only or 0.0, r["perf/peak_mem_gb"])
+    print(f"peak GB, trainer life {epoch} (steps {steps}): {max(mem, default=0):.1f} with its evaluations; training "
+          "alone " + ("not separable (it evaluated first)" if train_only is None else f"{train_only:.1f}"))
 gen = [r for _, r in records("generate-")]
+peaks = [g["perf/peak_mem_gb"] for g in gen if "perf/peak_mem_gb" in g]  # where generate.py logs it
 print(f"generator: {len(gen)} batches, {sum(g['rollout/generated_tok_s'] for g in gen) / max(len(gen), 1):.0f} tok/s "
-      f"mean (its peak memory is not logged)")
+      f"mean, peak GB " + (f"{max(peaks):.1f}" if peaks else "not logged"))
 print(f"model: {N / 1e9:.2f}B matmul parameters in the layers + {V * H / 1e9:.2f}B in the output head (the input "
       f"embedding not counted); step 1 ratio {by_step[1][1]['ratio/mean']:.5f}")
 EOF
