@@ -4,8 +4,7 @@ scores them and writes each group whole into RUN/rollouts/. It shares only the r
     python generate.py & python train.py                                  # the demo, one CPU machine
     python generate.py --run_dir s3://bucket/run1 --device cuda:0         # one generator per GPU, any machine
     python generate.py --engine http --url http://127.0.0.1:8000 --api_key KEY   # through a server or proxy.py
-    python generate.py --engine http --replica_run_dir /mnt/bucket/run1 ...      # vllm serve replicas that mount it
-"""
+    python generate.py --engine http --replica_run_dir /mnt/bucket/run1 ...      # vllm serve replicas that mount it"""
 import contextlib
 import os
 import random
@@ -25,7 +24,7 @@ from minigrpo.lora import inject_lora
 from minigrpo.model import load_model, pick_device, resolve_model, stop_token_ids
 from minigrpo.remote import HttpEngine, ServerError
 from minigrpo.rollouts import Group, RolloutBuffer
-from minigrpo.run import Metrics, RunSettings, Watch, join_run, lease_view, parse_config, tracker
+from minigrpo.run import Metrics, RunSettings, join_run, lease_view, parse_config, tracker
 from minigrpo.storage import Storage
 from minigrpo.tasks import make_task, prompt_ids, score
 
@@ -43,7 +42,6 @@ class GenerateConfig:
     max_ready: int = field(default=64, metadata={"help": "backpressure: most groups left waiting for the trainer"})
     seed: int = field(default=0, metadata={"help": "seed for prompts and sampling (mixed with generator_id)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
-    dtype: str = field(default="float32", metadata={"help": "model weights: float32 | bfloat16 | float16"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the trainer)"})
     poll_s: float = field(default=0.02, metadata={"help": "how often to look at LATEST, rollouts/ and DONE while waiting"})
     max_batches: int = field(default=0, metadata={"help": "stop after this many batches (0: until DONE)"})
@@ -52,17 +50,20 @@ class GenerateConfig:
     tracker_project: str = field(default="minigrpo", metadata={"help": "--report_to: the tracker's project"})
 
 
-def waiting_groups(buffer: RolloutBuffer, watch: Watch, writer: str, written: int, batch: int) -> tuple[int, dict]:
+def waiting_groups(buffer: RolloutBuffer, watch: dict, writer: str, written: int, batch: int) -> tuple[int, dict]:
     """(groups waiting once this generator writes its next batch, so that N generators together stay within
     --max_ready; the lease). A live lease (changed within its timeout) says what waited at the trainer's last listing,
     each writer's last group in it and the N writers, each taking 1/N of the room; 0 while the trainer wants more.
-    Else, or before the trainer saw this generator's groups: the listing of rollouts/, each writer adding a batch."""
+    Else, or before the trainer saw this generator's groups: the listing of rollouts/, each writer adding a batch.
+    watch: the lease's last bytes and since when (this process's clock) they have not changed."""
     raw = None
     with contextlib.suppress(FileNotFoundError, ValueError):
         raw = buffer.storage.get("owner.json")
+    if raw != watch.get("raw"):
+        watch |= {"raw": raw, "since": time.monotonic()}
     lease = lease_view(raw)
     unseen, n = written - 1 - lease["seen"].get(writer, -1), lease["writers"] + (writer not in lease["seen"])
-    if watch.unchanged_s(raw) > lease["timeout_s"] or lease["waiting"] < 0 or unseen and writer not in lease["seen"]:
+    if time.monotonic() - watch["since"] > lease["timeout_s"] or lease["waiting"] < 0 or unseen and writer not in lease["seen"]:
         listed = buffer.listed()  # consumed groups too, until garbage collection: it errs on the safe side
         n = len({gid.rsplit("-", 1)[0] for gid in listed} | {writer})
         return 0 if len(listed) < lease["groups_per_step"] else len(listed) + n * batch, lease
@@ -72,16 +73,15 @@ def waiting_groups(buffer: RolloutBuffer, watch: Watch, writer: str, written: in
 def main():
     run, cfg = parse_config(RunSettings, GenerateConfig)
     gen_id = cfg.generator_id or f"{socket.gethostname()}-{os.getpid()}"
-    writer = f"{gen_id}-{uuid.uuid4().hex[:4]}"  # this life's name: a restart never rewrites an old group
+    writer = f"{gen_id}-{uuid.uuid4().hex[:16]}"  # this life's name: a restart never rewrites an old group
     storage, task = Storage(cfg.run_dir), make_task(run)  # a bad task setting stops it before it waits for run.json
     if storage.exists("DONE"):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): pass another --run_dir.")
-    meta = join_run(storage, run)
-    poll_s = max(cfg.poll_s, storage.poll_s)  # a bucket charges per request: look less often
+    meta, poll_s = join_run(storage, run), max(cfg.poll_s, storage.poll_s)  # a bucket charges per request: look less often
     torch.set_num_threads(cfg.threads)
     rng = random.Random(f"{cfg.seed}-{gen_id}")
     if cfg.engine == "torch":  # only the torch engine holds the model here; the http engine needs just the tokenizer
-        model, tokenizer = load_model(run.model, pick_device(cfg.device), cfg.dtype)
+        model, tokenizer = load_model(run.model, pick_device(cfg.device), run.generator_dtype)
         inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
         engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, rng.getrandbits(63))
     else:
@@ -89,7 +89,7 @@ def main():
         api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
         engine = HttpEngine(cfg.url, api_key, cfg.max_inflight, keep=run.max_staleness + 1)
     sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
-    buffer, store = RolloutBuffer(storage), AdapterStore(storage, meta["run_id"])
+    buffer, store = RolloutBuffer(storage, meta["run_id"]), AdapterStore(storage, meta["run_id"])
     shown = asdict(cfg) | {"api_key": "***" if cfg.api_key else ""}  # a secret: neither printed nor tracked
     metrics = Metrics(storage, f"generate-{gen_id}", tracker(cfg.report_to, cfg.tracker_project,
                       f"{meta['run_id']}-generate-{gen_id}", asdict(run) | shown))
@@ -98,14 +98,13 @@ def main():
 
     if meta.get("grader") and meta["grader"] != task.grader:  # rewards from two graders would mix in one run
         raise SystemExit(f"this generator grades with {task.grader}, the run with {meta['grader']}: install the same")
-    watch = Watch()  # how long the lease has stayed the same: a dead trainer's tells nothing any more
+    watch = {"raw": None, "since": time.monotonic()}  # a lease unchanged for its timeout: a dead trainer's
     batch, written, idle_since, skipped, made = 0, 0, time.time(), set(), {}  # made: groups sampled per version
     while (not cfg.max_batches or batch < cfg.max_batches) and not storage.exists("DONE"):
         # wait: the next batch would leave > --max_ready waiting, or (lock-step) this version made a step's groups
         waiting, lease = waiting_groups(buffer, watch, writer, written, cfg.prompts_per_batch)
-        lockstep = (cfg.lockstep and made.get(engine.version, 0) >= lease["groups_per_step"]
-                    and (store.latest() or 0) <= engine.version)
-        if waiting > cfg.max_ready or lockstep:
+        if waiting > cfg.max_ready or (cfg.lockstep and made.get(engine.version, 0) >= lease["groups_per_step"]
+                                       and (store.latest() or 0) <= engine.version):
             time.sleep(poll_s)
             continue
         backpressure_s, t0 = time.time() - idle_since, time.time()
@@ -126,8 +125,7 @@ def main():
         prompts = [prompt_ids(tokenizer, p.prompt, run.system_prompt) for p in problems]
         started, version = time.time(), engine.version
         completions = engine.generate(prompts, sampling)
-        gen_s = time.time() - started
-        rewards = score(task, tokenizer, problems, completions)
+        gen_s, rewards = time.time() - started, score(task, tokenizer, problems, completions)
         groups = [Group(
             prompt_ids=prompt, completion_ids=[c.token_ids for c in group], behavior_logprobs=[c.logprobs for c in group],
             rewards=r, truncated=[c.finish_reason == "length" for c in group], policy_version=version,
@@ -137,14 +135,14 @@ def main():
         made[version] = made.get(version, 0) + len(prompts)
         batch += 1
 
-        n_tok = sum(len(c.token_ids) for g in completions for c in g)
-        flat = [x for r in rewards for x in r]
+        n_tok, flat = sum(len(c.token_ids) for g in completions for c in g), [x for r in rewards for x in r]
         record = {"batch": batch, "generator": gen_id, "policy_version": version, "reward/mean": sum(flat) / len(flat),
                   "completions/mean_length": n_tok / len(flat), "rollout/generated_tok_s": n_tok / gen_s,
                   "rollout/backpressure_s": backpressure_s, "perf/weight_sync_s": sync_s, "perf/generate_s": gen_s,
                   "adapters_skipped": len(skipped), "time": time.time()}
-        metrics.log(record, f"gen {gen_id} batch {batch} | v{version} | reward {record['reward/mean']:.3f} | "
-                            f"{record['rollout/generated_tok_s']:.0f} tok/s | backpressure {backpressure_s:.2f}s")
+        metrics.log(record, f"gen {gen_id} batch {batch} | v{version} | reward {record['reward/mean']:.3f} | "  # a line
+                    f"{record['rollout/generated_tok_s']:.0f} tok/s | backpressure {backpressure_s:.2f}s"  # per version
+                    if made[version] == len(prompts) else None)
         idle_since = time.time()
     print(f"generator {gen_id} stopped after {batch} batches", flush=True)
     metrics.finish()

@@ -5,8 +5,7 @@
     python generate.py --engine http --url http://127.0.0.1:8000 --api_key KEY & python train.py
 
 Completions go to one replica by KV-prefix affinity, adapter loads to every replica, all or nothing (README, "Many
-replicas"). Replicas get --upstream_token (or HF_TOKEN), never a client's key. Answers are buffered whole: no streaming.
-"""
+replicas"). Replicas get --upstream_token (or HF_TOKEN), never a client's key. Answers are buffered, not streamed."""
 import asyncio
 import collections
 import json
@@ -125,8 +124,7 @@ class Proxy:
     async def everywhere(self, request: web.Request):
         answers = await asyncio.gather(*(self.send(i, request) for i in range(len(self.upstreams))))
         fine = (200, 404) if request.path == "/v1/unload_lora_adapter" else (200,)
-        bad = [i for i, a in enumerate(answers) if a.status not in fine]
-        if bad:
+        if bad := [i for i, a in enumerate(answers) if a.status not in fine]:
             return self.failure("unhealthy" if request.method == "GET" else f"failed {request.path}", answers, bad)
         return reply(next((a for a in answers if a.status == 200), answers[0]))
 

@@ -1,23 +1,18 @@
 """train.py: the training side of minigrpo.
 
-Reads scored groups from RUN/rollouts/, drops those more than --max_staleness adapter versions old,
-computes GRPO on the LoRA weights only, and publishes a new adapter version into RUN/adapters/ every
---sync_every steps. It never talks to a generator: the run directory is the only thing they share.
+Reads scored groups from RUN/rollouts/, computes GRPO on the LoRA weights only, and publishes a new adapter version
+into RUN/adapters/ every --sync_every steps. The run directory is the only thing it shares with the generators.
 
     python generate.py & python train.py                # the demo on a laptop CPU, a few minutes
     python train.py --run_dir s3://bucket/run1 ...      # any machine that reaches the bucket (or a shared folder)
     torchrun --nproc_per_node 4 train.py ...            # data-parallel on 4 GPUs (rank 0 reads and publishes)
     (killed? run the same command again: it resumes from the newest intact checkpoint in RUN/checkpoints/)
 
-Where it departs from the GRPO paper, on purpose:
-  1. Asynchronous: old_logp is the generator's own log-prob of each token (the behaviour policy, TRL's
-     AsyncGRPO), so the clipped ratio is the off-policy control. --old_logp recompute takes pi_old to be the
-     current weights instead, with truncated importance sampling against the behaviour policy (oat style). With
-     one optimizer step per batch, those are the trainer's own log-probs, detached: it costs no extra pass.
-  2. One optimizer step per batch of groups; no PPO epochs over the same data.
-  3. No reference model and no KL penalty, as in DAPO and Dr. GRPO.
-  4. Stale groups are dropped whole and counted, never reweighted.
-"""
+Where it departs from the GRPO paper, on purpose: old_logp is the generator's own log-prob of each token (TRL's
+AsyncGRPO; --old_logp recompute: the current weights, detached, with truncated importance sampling against the
+generator's); one optimizer step per batch, no PPO epochs; no reference model or KL penalty (DAPO, Dr. GRPO); stale
+groups are dropped whole and counted, never reweighted."""
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,7 +27,7 @@ from minigrpo.adapters import AdapterStore
 from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.grpo import LossConfig, advantages, combine_metrics, grpo_loss, zero_std_groups
-from minigrpo.lora import adapter_config, inject_lora, lora_state_dict
+from minigrpo.lora import adapter_config, inject_lora, load_lora_state_dict, lora_state_dict
 from minigrpo.model import load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
 from minigrpo.packing import Sample, collate, micro_batches
 from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
@@ -61,8 +56,8 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | mps (torchrun: cuda:LOCAL_RANK)"})
     collective_timeout_s: float = field(default=600.0, metadata={"help": "torchrun: the gradient all-reduce's timeout"})
     eval_batch_size: int = field(default=256, metadata={"help": "held-out prompts sampled at once (bounds memory)"})
-    policy_check_tol: float = field(default=0.1, metadata={"help": "mean |log pi - log mu| per token past which a group "
-                                    "of the trainer's own version was sampled with other weights (0: off)"})
+    policy_check_tol: float = field(default=0.01, metadata={"help": "mean |log pi - log mu| per token under the weights "
+                                    "a group names past which it was sampled with others (float32; bf16: x10, mixed: x30)"})
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "base weights (LoRA, loss: "
                                                   "float32); no float16: without loss scaling its gradients underflow"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the generator)"})
@@ -79,36 +74,44 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
             self.tis_cap = 2.0
 
 
-# ---------------------------------------------------------------------------------------------------------------
-def take_batch(buffer, ledger, lease, cfg, run, version, validate, stats):
-    """Block until cfg.groups_per_step fresh groups are taken (stale and, for dapo, zero-std ones are consumed and
-    counted); every 5 polls the lease says what waits, and asks for one more group per dropped one. (groups, wait s)"""
-    t0, last_seen, told, groups, taken_n = time.time(), time.time(), 0.0, [], 0
+def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats):
+    """Block until cfg.groups_per_step fresh groups pass the audit (stale, caught and, for dapo, zero-std ones are
+    consumed and counted); every 5 polls the lease says what waits, and asks for one more group per dropped one.
+    Returns (groups, the groups the audit quarantined, wait s)."""
+    t0, last_seen, told, groups, caught, taken_n, said = time.time(), time.time(), 0.0, [], [], 0, 0
     while len(groups) < cfg.groups_per_step:
         taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
-        taken_n, kept = taken_n + len(taken), len(groups)
+        taken_n, kept, fresh = taken_n + len(taken), len(groups), []
         for g in taken:
             if not run.is_fresh(version, g.policy_version):
                 stats["dropped_stale_total"] += 1
             elif cfg.loss_type == "dapo" and len(set(g.rewards)) == 1:  # zero std: no signal
                 stats["dropped_zero_std_total"] += 1
             else:
-                groups.append(g)
+                fresh.append(g)
+        for g, gap, tol in (lies := audit(fresh)):
+            buffer.quarantine(g.group_id, g, f"PolicyMismatch: policy_version: v{g.policy_version}'s "
+                              f"weights give a mean |log pi - log mu| of {gap:.4f} a token (tolerance {tol:g})", stats)
+        caught, lied = caught + [g for g, *_ in lies], {id(g) for g, *_ in lies}
+        groups += [g for g in fresh if id(g) not in lied]
         if len(groups) > kept:  # one to learn from: a dapo policy that gets every sample alike right or wrong has none
-            last_seen = time.time()
-        elif time.time() - last_seen > cfg.wait_timeout_s:
-            raise SystemExit(f"no fresh group to learn from (dapo: unequal rewards) in {buffer.storage.url('rollouts')}"
-                             f" for {cfg.wait_timeout_s:.0f}s: is generate.py running with this --run_dir? {stats}")
+            last_seen, said = time.time(), 0
+        elif (waited := time.time() - last_seen) > min(cfg.wait_timeout_s, 2 ** said * min(30, cfg.wait_timeout_s / 2)):
+            why = ", ".join(f"{n} {k}" for k, n in buffer.reasons.most_common()) or "none (is generate.py running?)"
+            where, said = buffer.storage.url("rollouts"), said + 1  # said at 30, 60, 120 s... (or half the timeout)
+            if waited > cfg.wait_timeout_s:
+                raise SystemExit(f"no fresh group to learn from (dapo: unequal rewards) in {where} for "
+                                 f"{cfg.wait_timeout_s:.0f}s. Consumed: {why} {stats}")
+            print(f"waited {waited:.0f}s for a fresh group in {where}; consumed: {why} {stats}", flush=True)
         if not taken:
             time.sleep(buffer.storage.poll_s)
         if len(groups) < cfg.groups_per_step and time.time() - told > 5 * buffer.storage.poll_s:  # backpressure
             lease.write(**buffer.progress(lease.timeout_s), groups_per_step=cfg.groups_per_step + taken_n - len(groups))
             told = time.time()
-    return groups, time.time() - t0
+    return groups, caught, time.time() - t0
 
 
-def build_samples(groups, run, cfg):
-    """One Sample per completion, with the group-normalised advantage. Returns (samples, rewards, lengths)."""
+def build_samples(groups, run, cfg):  # one Sample per completion, with its group-normalised advantage
     rewards = torch.tensor([r for g in groups for r in g.rewards])  # (N*G,)
     lengths = torch.tensor([len(c) for g in groups for c in g.completion_ids])  # (N*G,)
     adv = iter(advantages(rewards, run.group_size, scale_rewards=cfg.loss_type != "dr_grpo").tolist())  # (N*G,)
@@ -117,22 +120,41 @@ def build_samples(groups, run, cfg):
     return samples, rewards, lengths
 
 
-def policy_mismatches(groups, samples, version, world, tol) -> list:
-    """The groups naming `version`, the weights train_step just scored them with, whose mean |log pi - log mu| per
-    token exceeds tol: their sampler did not apply that adapter (a replica serving the base model or a stale LoRA)."""
-    G, gap, tokens = len(samples) // len(groups), {}, {}
-    for j in range(0, len(samples), world):
-        gap[j // G] = gap.get(j // G, 0.0) + samples[j].gap
-        tokens[j // G] = tokens.get(j // G, 0) + len(samples[j].behav)
-    return [groups[i] for i in gap if groups[i].policy_version == version and gap[i] > tol * tokens[i] and tol > 0]
+def policy_tol(cfg, run) -> float:  # bf16 on either side rounds more: honest max gaps f32 2e-6, bf16 3e-3, mixed 0.05
+    same = cfg.dtype == run.generator_dtype
+    return cfg.policy_check_tol * (1 if same and cfg.dtype == "float32" else 10 if same else 30)
+
+
+def audit(model, groups, weights_of, run, cfg, device) -> list:
+    """(group, mean |log pi - log mu| per token, tolerance) for each group whose gap under the weights of the version
+    it names exceeds the tolerance: its sampler did not apply them (a replica serving the base model or a stale
+    LoRA). One no-grad pass before the gradient; the model's weights are restored."""
+    if (tol := policy_tol(cfg, run)) <= 0 or not groups:
+        return []
+    current, caught = {k: v.clone() for k, v in lora_state_dict(model).items()}, []
+    for v in sorted({g.policy_version for g in groups}):
+        if (weights := weights_of(v)) is None:  # gone with retention: nothing to compare with
+            continue
+        load_lora_state_dict(model, weights)
+        mine = [g for g in groups if g.policy_version == v]
+        samples = build_samples(mine, run, cfg)[0]
+        owner, gap = {id(s): i // run.group_size for i, s in enumerate(samples)}, [0.0] * len(mine)
+        with torch.no_grad():
+            for mb in micro_batches(samples, cfg.micro_batch_tokens):
+                inputs, batch = collate(mb, device)
+                logp = packed_logprobs(model, *inputs, run.temperature)[0]  # (b, T)
+                for s, d in zip(mb, ((logp - batch.behav).abs() * batch.mask).sum(1).tolist()):
+                    gap[owner[id(s)]] += d / sum(len(c) for c in mine[owner[id(s)]].completion_ids)
+        caught += [(g, gap[i], tol) for i, g in enumerate(mine) if gap[i] > tol]
+    load_lora_state_dict(model, current)
+    return caught
 
 
 def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
     """Forward/backward over packed micro-batches with the whole batch's normaliser, then one AdamW step.
     Data-parallel: each rank takes every world-th sample, and the ranks sum their gradients before the step."""
     num_tokens = sum(len(s.behav) for s in samples)  # of the whole batch, on every rank
-    mbs = micro_batches(samples[rank::world], cfg.micro_batch_tokens)
-    parts, loss_sum = [], 0.0
+    mbs, parts, loss_sum = micro_batches(samples[rank::world], cfg.micro_batch_tokens), [], 0.0
     model.train(cfg.gradient_checkpointing)  # transformers checkpoints only in train mode (no dropout in these models)
     for mb in mbs:
         inputs, batch = collate(mb, device, len(samples), num_tokens)
@@ -141,9 +163,6 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
             batch.old = logp.detach()
         loss, m = grpo_loss(logp, batch, cfg, run.max_new_tokens)
         loss.backward()
-        gap = ((logp.detach() - batch.behav).abs() * batch.mask).sum(1)  # (b,) summed |log pi_theta - log mu|
-        for s, g in zip(mb, gap.tolist()):
-            s.gap = g  # rank 0's samples: main() checks the groups sampled with these very weights
         parts.append(m | {"entropy": (entropy * batch.mask).sum().item() / max(m["tokens"], 1)})
         loss_sum += loss.item()
     model.eval()  # and the engine needs eval mode for its KV cache
@@ -157,18 +176,19 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
         dist.all_gather_object(gathered, (parts, loss_sum))
         parts, loss_sum = [m for g in gathered for m in g[0]], sum(g[1] for g in gathered)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
-    optimizer.step()
+    skipped = not (math.isfinite(loss_sum) and math.isfinite(grad_norm))  # the same on every rank
+    if not skipped:  # a non-finite step would turn every weight into NaN
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return combine_metrics(parts) | {"loss": loss_sum, "grad_norm": grad_norm, "perf/micro_batches": len(mbs)}
+    return combine_metrics(parts) | {"loss": loss_sum, "grad_norm": grad_norm, "perf/micro_batches": len(mbs),
+                                     "train/skipped_nonfinite": int(skipped)}
 
 
-# ---- data parallel (torchrun): rank 0 leads, reading groups, publishing, checkpointing and logging ----
 def distributed(device: str, timeout_s: float):
     """(rank, world size, this rank's device, the group its batch arrives by). A GPU rank binds to cuda:LOCAL_RANK
     before it joins (NCCL stages collectives on the current device). While rank 0 works alone between steps, the
     others wait for its batch in a gloo group with no deadline: NCCL's watchdog times only the all-reduce."""
-    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(device)
+    world, local, device = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)), pick_device(device)
     if world == 1:
         return 0, 1, device, None
     if device.type == "cuda":
@@ -182,8 +202,7 @@ def distributed(device: str, timeout_s: float):
     return dist.get_rank(), world, device, dist.new_group(backend="gloo", timeout=timedelta(days=365))
 
 
-def share(obj, group):
-    """Rank 0's object on every rank (the batch of samples: kilobytes to megabytes of token ids)."""
+def share(obj, group):  # rank 0's object on every rank (the batch of samples: kilobytes to megabytes of token ids)
     box = [obj]
     if group is not None:
         dist.broadcast_object_list(box, src=0, group=group)
@@ -201,18 +220,25 @@ def evaluate(engine, tokenizer, task, problems, run, seed, batch_size) -> float:
     return sum(r[0] for r in score(task, tokenizer, problems, outs)) / len(problems)
 
 
+def finite_weights(model) -> dict:  # the LoRA tensors to publish or save
+    state = lora_state_dict(model)
+    if bad := [k for k, v in state.items() if not torch.isfinite(v).all()]:
+        raise SystemExit(f"the LoRA weights hold NaN or infinite values ({bad[0]}): nothing more is published or "
+                         f"saved; run the same command to resume from the last checkpoint, with a lower --lr")
+    return state
+
+
 def publish(store, lease, model, version, config, run, step) -> tuple[int, float]:
     """Write adapter `version` (or the next unclaimed name), then point LATEST at it under the lease: (version, s)."""
     t0 = time.time()
     fault("before_publish", step)
-    version = store.write(version, lora_state_dict(model), config)
+    version = store.write(version, finite_weights(model), config)
     fault("before_latest", step)
     lease.fenced(store.set_latest, version, keep=run.max_staleness + 1)
     return version, time.time() - t0
 
 
-def check_settings(saved: dict, cfg) -> list[str]:
-    """Training settings a resume must keep (the math of the run); the others may change freely."""
+def check_settings(saved: dict, cfg) -> list[str]:  # what a resume must keep (the run's math); others may change
     kept = {"loss_type", "eps_low", "eps_high", "tis_cap", "groups_per_step", "lr", "weight_decay", "max_grad_norm",
             "old_logp", "sync_every", "seed", "dtype"}
     return [f"{k}: the checkpoint has {saved[k]!r}, this command has {v!r}" for k, v in asdict(cfg).items()
@@ -220,8 +246,7 @@ def check_settings(saved: dict, cfg) -> list[str]:
 
 
 def resume(storage, model, optimizer, cfg, committed) -> dict | None:
-    """Load the newest intact checkpoint the lease committed (committed None: of all there are) into model and
-    optimizer. Returns its state, or None for a new run: none was committed, or none was ever complete."""
+    """Load the newest intact checkpoint of `committed` (None: all) into model and optimizer: its state, None: a new run."""
     state, skipped = load_checkpoint(storage, model, optimizer, committed)
     for s in skipped:
         print(f"skipped checkpoint {s}", flush=True)
@@ -236,7 +261,6 @@ def resume(storage, model, optimizer, cfg, committed) -> dict | None:
     return state
 
 
-# ---------------------------------------------------------------------------------------------------------------
 def main():
     run, cfg = parse_config(RunSettings, TrainConfig)
     rank, world, device, waiting = distributed(cfg.device, cfg.collective_timeout_s)
@@ -244,12 +268,7 @@ def main():
     if rank == 0 and storage.exists("DONE"):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists). "
                          f"Delete it or pass another --run_dir to start a new run.")
-    # the ranks of one job share rank 0's lease; a lock-step generator reads groups_per_step from it
-    lease = Lease(storage, cfg.lease_timeout_s, groups_per_step=cfg.groups_per_step) if rank == 0 else None
-    if lease and (old := lease.acquire()):
-        print(f"took over from trainer {old['owner'] or '?'} (host {old['host']}, epoch {old['epoch']})", flush=True)
-    task = make_task(run)
-    meta = create_run(storage, run, task.grader) if rank == 0 else None
+    task = make_task(run)  # the task and the model first: a bad flag stops it before the run directory records it
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(run.model, device, cfg.dtype)
@@ -259,12 +278,17 @@ def main():
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
-    buffer, eval_problems = RolloutBuffer(storage), task.eval_problems(cfg.eval_size)
+    # the ranks of one job share rank 0's lease; a lock-step generator reads groups_per_step from it
+    lease = Lease(storage, cfg.lease_timeout_s, groups_per_step=cfg.groups_per_step) if rank == 0 else None
+    if lease and (old := lease.acquire()):
+        print(f"took over from trainer {old['owner'] or '?'} (host {old['host']}, epoch {old['epoch']})", flush=True)
+    meta = create_run(storage, run, task.grader) if rank == 0 else None
+    buffer, eval_problems = RolloutBuffer(storage, meta and meta["run_id"]), task.eval_problems(cfg.eval_size)
     peft_config = adapter_config(run.lora_r, run.lora_alpha, run.lora_targets, resolve_model(run.model))
 
     state = resume(storage, model, optimizer, cfg, share(lease and lease.info["checkpoints"], waiting))
-    counters = ("dropped_stale_total", "dropped_zero_std_total", "bad_total", "attribution_mismatch")
-    step, stats = (state["step"], state["stats"]) if state else (0, dict.fromkeys(counters, 0))
+    counters = ("dropped_stale_total", "dropped_zero_std_total", "bad_total", "attribution_mismatch", "policy_mismatch_total")
+    step, stats = state["step"] if state else 0, dict.fromkeys(counters, 0) | (state["stats"] if state else {})
     for p in params if world > 1 else []:  # rank 0's weights on every rank (a resume loaded them there)
         dist.broadcast(p.data, src=0)
     if rank > 0:  # the other ranks only compute: rank 0 reads groups, publishes, checkpoints and logs
@@ -279,7 +303,6 @@ def main():
     # ---- publish first: version 0 is the untrained adapter, a resume publishes its weights under a new name ----
     version = store.next_version(at_least=state["version"] + 1 if state else 0)
     version = publish(store, lease, model, version, peft_config, run, step)[0]
-    exact = True  # the weights are exactly `version`'s, so groups sampled with it must match the trainer's log-probs
     G, adapter_mb = run.group_size, sum(p.numel() for p in params) * 4 / 2**20
     print(f"trainer on {device}: {cfg.groups_per_step} groups x G={G} = {cfg.groups_per_step * G} completions per "
           f"step, {cfg.max_steps} steps, max_staleness {run.max_staleness}, adapter {adapter_mb:.2f} MB "
@@ -294,8 +317,9 @@ def main():
     for step in range(step + 1, cfg.max_steps + 1):
         t0 = time.time()
         validate = partial(check_group, run=meta, vocab_size=model.config.vocab_size, version=version,
-                           digest_of=store.digest)
-        groups, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, stats)
+                           digest_of=store.digest, reward_range=getattr(task, "reward_range", (0.0, 1.0)))
+        check = partial(audit, model, weights_of=lambda v: store.weights(v)[0], run=run, cfg=cfg, device=device)
+        groups, caught, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, check, stats)
         lease.write(**buffer.progress(lease.timeout_s), step=step, version=version,  # the generators may fill the room
                     groups_per_step=cfg.groups_per_step)
         staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains
@@ -303,10 +327,13 @@ def main():
         t1 = time.time()
         m = train_step(model, optimizer, share(samples, waiting), run, cfg, device, 0, world)
         fwd_bwd_s, sync_s = time.time() - t1, 0.0
-        unapplied = policy_mismatches(groups, samples, version, world, cfg.policy_check_tol) if exact else []
-        stats["policy_mismatch_total"] = stats.get("policy_mismatch_total", 0) + len(unapplied)
-        exact = step % cfg.sync_every == 0  # the weights will be exactly the version published next
-        if exact:
+        stats["policy_mismatch_total"] += len(caught)
+        if m["train/skipped_nonfinite"]:  # no update was made: say so, and keep the groups out of any later step
+            print(f"NON-FINITE STEP {step} SKIPPED: loss {m['loss']}, grad norm {m['grad_norm']}; its groups go to "
+                  f"bad/: {[g.group_id for g in groups]}", flush=True)
+            for g in groups:
+                buffer.quarantine(g.group_id, g, f"NonFinite: loss: {m['loss']} at step {step}", stats)
+        if step % cfg.sync_every == 0:
             version, sync_s = publish(store, lease, model, version + 1, peft_config, run, step)
         # the record's version is the one this step just published; staleness was measured before it
         record = {"step": step, "version": version, "loss": m["loss"], "reward/mean": rewards.mean().item(),
@@ -319,14 +346,14 @@ def main():
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             t_eval = time.time()  # evaluation has a time of its own: perf/step_s includes it, perf/fwd_bwd_s not
             record |= {"eval/accuracy": evaluate_now(), "perf/eval_s": time.time() - t_eval}
-        record |= {"sample/policy_mismatch": len(unapplied), "sample/rollout_queue_size": len(buffer.order),
+        record |= {"sample/policy_mismatch": len(caught), "sample/rollout_queue_size": len(buffer.order),
                    "perf/rollout_wait_s": wait_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s,
                    "perf/step_s": time.time() - t0, "lr": cfg.lr, "time": time.time(),
                    "perf/peak_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0}
         acc = f" | eval/accuracy {record['eval/accuracy']:.3f}" if "eval/accuracy" in record else ""
-        if unapplied:  # the field's costliest async-LoRA bug: say it on the step line, not only in the metrics
-            acc += (f" | POLICY MISMATCH: {len(unapplied)} groups named v{unapplied[0].policy_version} but were not "
-                    f"sampled with its weights (generators {sorted({g.generator_id for g in unapplied})})")
+        if caught:  # the field's costliest async-LoRA bug: say it on the step line, not only in the metrics
+            acc += (f" | POLICY MISMATCH: {len(caught)} groups quarantined, not sampled with the weights they name "
+                    f"(v{sorted({g.policy_version for g in caught})}, generators {sorted({g.generator_id for g in caught})})")
         # the record comes before the checkpoint that covers it: a redone step's newer life writes a newer one
         fault("before_metrics", step)
         metrics.log(record, f"step {step}/{cfg.max_steps} | reward {record['reward/mean']:.3f} | "
@@ -335,7 +362,7 @@ def main():
                             f"dt {record['perf/step_s']:.2f}s{acc}")
         fault("after_metrics", step)
         if step % cfg.save_every == 0 or step == cfg.max_steps:
-            name = save_checkpoint(storage, step, lease.info["epoch"], lora_state_dict(model), peft_config, optimizer,
+            name = save_checkpoint(storage, step, lease.info["epoch"], finite_weights(model), peft_config, optimizer,
                                    {"stats": stats, "version": version, "ledger": ledger.state(), "run": asdict(run),
                                     "config": asdict(cfg)})
             lease.write(checkpoints=[*(lease.info["checkpoints"] or [])[-1:], name])  # the commit: fails once deposed
@@ -359,3 +386,5 @@ if __name__ == "__main__":
     except OSError as e:  # a full disk, a refused bucket, a vanished mount: one line, keep what is written
         raise SystemExit(f"train.py: {e}\nNothing complete was overwritten (every object appears whole or not at "
                          f"all); fix the problem and run the same command to resume.")
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback
+        raise SystemExit("train.py: interrupted; run the same command to resume from the last checkpoint") from None

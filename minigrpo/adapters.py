@@ -3,17 +3,18 @@
 Version v is the PEFT directory RUN/adapters/policy-<run id>-v<v:06d>/ (v0, with B = 0, is exactly the base model),
 named by RUN/adapters/LATEST once its weights, written last, exist. A name always means one set of weights (vLLM
 keys its prefix cache by adapter name): names carry the run id, and adapter_config.json claims a name create-only
-and stays when retention deletes the weights, so no restart and no deposed trainer ever writes a name twice.
-"""
+and stays when retention deletes the weights, so no restart and no deposed trainer ever writes a name twice."""
 import contextlib
 import re
+
+from safetensors.torch import load
 
 from minigrpo.lora import adapter_digest, adapter_files
 
 
 class AdapterStore:
     def __init__(self, storage, run_id: str):
-        self.storage, self.run_id, self.digests, self.token, self.kept_from = storage, run_id, {}, None, None
+        self.storage, self.run_id, self.kept, self.token, self.kept_from = storage, run_id, {}, None, None
         self.pattern = re.compile(rf"^policy-{re.escape(run_id)}-v(\d{{6,}})$")
 
     def name(self, version: int) -> str:
@@ -44,7 +45,7 @@ class AdapterStore:
             except FileExistsError:
                 version += 1
         self.storage.put(f"adapters/{self.name(version)}/adapter_model.safetensors", files["adapter_model.safetensors"])
-        self.digests[version] = adapter_digest(files["adapter_model.safetensors"])
+        self.kept[version] = load(files["adapter_model.safetensors"]), adapter_digest(files["adapter_model.safetensors"])
         return version
 
     def set_latest(self, version: int, keep: int):
@@ -56,12 +57,15 @@ class AdapterStore:
         old = range(max(0, version - keep - 1) if self.kept_from is None else self.kept_from, version - keep)
         self.storage.delete([f"adapters/{self.name(v)}/adapter_model.safetensors" for v in old])
         self.kept_from = max(old.start, version - keep)
-        self.digests = {v: digest for v, digest in self.digests.items() if v not in old}
+        self.kept = {v: kept for v, kept in self.kept.items() if v >= version - keep}
 
-    def digest(self, version: int) -> str:
-        """The digest of a version's weights ("" if they are gone), computed once."""
-        if version not in self.digests:
+    def weights(self, version: int) -> tuple[dict | None, str]:
+        """(a version's LoRA tensors, their digest), or (None, "") once they are gone; read once, kept in the window."""
+        if version not in self.kept:
             with contextlib.suppress(FileNotFoundError):
-                weights = self.storage.get(f"adapters/{self.name(version)}/adapter_model.safetensors")
-                self.digests[version] = adapter_digest(weights)
-        return self.digests.get(version, "")
+                data = self.storage.get(f"adapters/{self.name(version)}/adapter_model.safetensors")
+                self.kept[version] = load(data), adapter_digest(data)
+        return self.kept.get(version, (None, ""))
+
+    def digest(self, version: int) -> str:  # "" if the weights are gone
+        return self.weights(version)[1]

@@ -1,8 +1,7 @@
 """Trainer checkpoints: RUN/checkpoints/step-NNNNNN-eEEEEEE/ (the step, the epoch of the trainer life that wrote it)
 holds the adapter, optimizer.pt (AdamW and RNG state), trainer_state.json (step, version, counters, the ledger, the
 configuration) and, written last, MANIFEST: each file's sha256. A checkpoint counts once the lease names it
-(train.py commits it there, with a conditional write); resume skips a damaged one and names it.
-"""
+(train.py commits it there, with a conditional write); resume skips a damaged one and names it."""
 import hashlib
 import io
 import json

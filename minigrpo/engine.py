@@ -1,19 +1,20 @@
 """The built-in generation engine (CPU or GPU): batched sampling over the LoRA-wrapped model with a KV cache. Each
 sampled token comes with its behaviour log-prob, log softmax(logits / temperature) in float32 as `vllm serve
 --logprobs-mode processed_logprobs` reports it, which the trainer reproduces exactly (ratio 1 at version 0). Both
-engines (remote.py: http) offer load_adapter(version, path), between batches, and generate(prompts, params).
-"""
+engines (remote.py: http) offer load_adapter(version, path), between batches, and generate(prompts, params)."""
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, __version__
 
 from minigrpo.lora import load_adapter
 
+if tuple(map(int, __version__.split(".")[:2])) < (5, 24):  # older ones ignore cache=: every step would lack the cache
+    raise ImportError(f"minigrpo needs transformers >= 5.24 (requirements.txt pins 5.24.0), this is {__version__}")
+
 
 @dataclass
-class SamplingParams:
-    """Per request, as in vLLM. Row i of a request with a seed samples with seed + i (vLLM's n > 1 rule)."""
+class SamplingParams:  # per request, as in vLLM; row i of a request with a seed samples with seed + i (vLLM's n > 1 rule)
     n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
@@ -32,8 +33,7 @@ def per_row(rows, field: str, device, dtype=torch.float32) -> torch.Tensor:  # (
     return torch.tensor([getattr(sp, field) for _, sp, _ in rows], dtype=dtype, device=device)
 
 
-class Sampler:
-    """One batch's rules over rows (prompt, params, sample index); serve_sampling.py's subclass extends them."""
+class Sampler:  # one batch's rules over rows (prompt, params, sample index); serve_sampling.py's subclass extends them
 
     def __init__(self, rows, eos: list[int], device):
         t = per_row(rows, "temperature", device)[:, None]  # (B, 1) 0: greedy, no noise
@@ -103,8 +103,7 @@ class TorchEngine:
             done |= stopped | (t + 1 >= limit)
             if t % check == check - 1 and bool(done.all()):  # the batch's early exit, a copy to the host: on a GPU
                 break  # only every 16 tokens, so that the host queues the next steps while the device works
-            mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
-            pos = pos[:, -1:] + 1
+            mask, pos = torch.cat([mask, mask.new_ones(B, 1)], 1), pos[:, -1:] + 1  # (B, L + t + 1), (B, 1)
             logits = self._forward(tok[:, None], mask, pos, cache)
 
         tokens, logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (B, T)

@@ -15,8 +15,7 @@ Health of the off-policy data, from the trainer's log-probs against the sampler'
 with v = pi_theta / mu (slime and prime-rl report the same signals):
     health/ess_frac         (sum v)^2 / (N sum v^2)   effective sample size over the N tokens: 1 when v is constant
     health/mismatch_kl      mean((v - 1) - log v)     k3 estimate of KL(mu || pi_theta): 0 when they agree
-    health/far_frac         share of |log v| > ln 2   tokens whose probability differs by more than 2x
-"""
+    health/far_frac         share of |log v| > ln 2   tokens whose probability differs by more than 2x"""
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,11 +26,11 @@ def advantages(rewards: torch.Tensor, G: int, scale_rewards: bool = True, eps: f
     """rewards (N*G,) in group order -> advantages (N*G,). Zero-std groups get exactly 0, never NaN."""
     if G < 2:
         raise ValueError(f"GRPO needs at least 2 completions per group, got G={G}")
-    r = rewards.float().view(-1, G)  # (N, G)
+    r = rewards.double().view(-1, G)  # (N, G), float64: a huge finite reward cannot overflow the mean or std
     adv = r - r.mean(1, keepdim=True)  # (N, G)
     if scale_rewards:
         adv = adv / (r.std(1, keepdim=True) + eps)  # unbiased std (ddof=1), the majority convention
-    return torch.where(zero_std_groups(r, G)[:, None], 0.0, adv).view(-1)
+    return torch.where(zero_std_groups(r, G)[:, None], 0.0, adv).view(-1).float()
 
 
 def zero_std_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
@@ -41,8 +40,7 @@ def zero_std_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
 
 
 @dataclass
-class LossConfig:
-    """The loss's settings. train.py's TrainConfig extends this class, so each is also a flag of train.py."""
+class LossConfig:  # the loss's settings; train.py's TrainConfig extends this class, so each is also a flag of train.py
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = field(default="dapo", metadata={"help": "see minigrpo/grpo.py"})
     eps_low: float = field(default=0.2, metadata={"help": "clip the ratio below at 1 - eps_low"})
     eps_high: float | None = field(default=None, metadata={"help": "clip above at 1 + eps_high (default: 0.28 for "
@@ -71,8 +69,7 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
     behav_logp, A = batch.behav.detach(), batch.adv.detach()[:, None].to(logp.dtype)  # (B, T), (B, 1)
     old_logp = behav_logp if batch.old is None else batch.old.detach()
     ratio = torch.exp((logp - old_logp) * mask)  # (B, T); its log is 0 on padding, so it stays finite
-    surrogate = torch.min(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)  # (B, T)
-    per_token = -surrogate  # (B, T) l_t with w = 1
+    per_token = -torch.min(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)  # (B, T) l_t with w = 1
     if cfg.tis_cap is not None:  # truncated importance sampling, per token, without gradient
         is_ratio = torch.exp((old_logp - behav_logp) * mask)  # (B, T) pi_old / mu
         per_token = is_ratio.clamp(max=cfg.tis_cap) * per_token  # l_t = -w * min(...)
@@ -108,7 +105,6 @@ def health(log_v: torch.Tensor) -> dict:
 
 
 def combine_metrics(parts: list[dict]) -> dict:
-    """Merge per-micro-batch metrics: */min and */max by min and max, the rest token-weighted means."""
     out = {"tokens": sum(p["tokens"] for p in parts)}
     for key in parts[0]:
         if key.endswith(("/min", "/max")):

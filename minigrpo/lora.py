@@ -2,9 +2,7 @@
 
     scaling = alpha / r            plain LoRA (Hu et al., 2021)
     scaling = alpha / sqrt(r)      rsLoRA (Kalajdzievski, 2023), when adapter_config.json says use_rslora: true
-Adapters are in PEFT's format (adapter_config.json, adapter_model.safetensors), so peft and vLLM load ours and we
-load theirs.
-"""
+Adapters use PEFT's format (adapter_config.json, adapter_model.safetensors): peft and vLLM load ours, we load theirs."""
 import hashlib
 import json
 import math
@@ -19,8 +17,7 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 PEFT_PREFIX = "base_model.model."
 
 
-class LoRALinear(nn.Module):
-    """Wraps a frozen nn.Linear. lora_A is (r, in), lora_B is (out, r), as PEFT stores them."""
+class LoRALinear(nn.Module):  # wraps a frozen nn.Linear; lora_A is (r, in), lora_B is (out, r), as PEFT stores them
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, use_rslora: bool = False):
         super().__init__()
@@ -59,7 +56,6 @@ def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:
 
 
 def inject_lora(model: nn.Module, r: int, alpha: float, targets=DEFAULT_TARGETS, use_rslora: bool = False):
-    """Replace every nn.Linear whose last name part is in `targets` by a LoRALinear; freeze everything else."""
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets]
     if not names:
         raise ValueError(f"no nn.Linear named any of {list(targets)} in {type(model).__name__}")
@@ -131,8 +127,7 @@ def adapter_files(state: dict[str, torch.Tensor], config: dict) -> dict[str, byt
             "adapter_model.safetensors": save(tensors, metadata={"format": "pt"})}
 
 
-def adapter_digest(weights: bytes) -> str:
-    """Policy attribution: names the exact weights (adapter_model.safetensors) that sampled a completion."""
+def adapter_digest(weights: bytes) -> str:  # policy attribution: names the exact weights that sampled a completion
     return hashlib.sha256(weights).hexdigest()[:16]
 
 

@@ -1,6 +1,5 @@
 """Loading a causal LM and its tokenizer, and the token log-probabilities the loss is computed from. `--model demo` is
-the tiny model in minigrpo/demo_model (minigrpo/demo.py); any other name is a local folder or a Hugging Face repo id.
-"""
+the tiny model in minigrpo/demo_model (minigrpo/demo.py); any other name is a local folder or a Hugging Face repo id."""
 import os
 
 import torch
@@ -98,8 +97,7 @@ class HeadLogprobs(torch.autograd.Function):
         z_t = (h_t W^T) / T,   logp_t = z_t[y_t] - logsumexp(z_t),   entropy_t = logsumexp(z_t) - sum_v p_tv z_tv
 
     W is frozen, so d logp_t / d h_t = (W[y_t] - p_t W) / T depends on nothing downstream: computed in the forward
-    pass, it is only scaled by d loss / d logp_t in the backward. No (tokens x vocab) tensor outlives its chunk.
-    """
+    pass, it is only scaled by d loss / d logp_t in the backward. No (tokens x vocab) tensor outlives its chunk."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float):  # hidden (N, H), weight (V, H), targets (N,)

@@ -1,6 +1,5 @@
 """Packed micro-batches: the trainer's samples laid out in rows with no padding. A row holds each prompt once, at
-positions 0..P-1, then each of its completions at positions P, P+1, ... (model.packed_attention says why that is exact).
-"""
+positions 0..P-1, then each of its completions at P, P+1, ... (model.packed_attention says why that is exact)."""
 from dataclasses import dataclass
 
 import torch
@@ -9,13 +8,11 @@ from minigrpo.grpo import Batch
 
 
 @dataclass
-class Sample:
-    """One completion as the trainer sees it."""
+class Sample:  # one completion as the trainer sees it
     ids: list[int]  # prompt + completion token ids
     prompt_len: int
     behav: list[float]  # the sampler's log-prob of each completion token
     adv: float
-    gap: float = 0.0  # sum over its tokens of |log pi_theta - log mu|, set by train.py's train_step
 
 
 def micro_batches(samples, budget: int):
@@ -40,12 +37,10 @@ def micro_batches(samples, budget: int):
 
 
 def collate(samples, device, num_seqs=None, num_tokens=None):
-    """One packed row (1, N) of token ids and position ids, laid out as above; the samples of one prompt come
-    together (micro_batches). Per completion token (B, T): `where` is the row index whose hidden state predicts it
-    (the prompt's last token for the first one), `targets` the token, -1 past the end. The Batch's mask and
-    behaviour log-probs are (B, T) too. Returns ((ids, pos, where, targets), Batch)."""
-    B, T = len(samples), max(len(s.behav) for s in samples)
-    ids, pos, prompt = [], [], None
+    """One packed row (1, N) of token ids and position ids, laid out as above; the samples of one prompt come together
+    (micro_batches). Per completion token (B, T): `where` is the row index whose hidden state predicts it (the prompt's
+    last token for the first one), `targets` the token, -1 past the end. Returns ((ids, pos, where, targets), Batch)."""
+    B, T, ids, pos, prompt = len(samples), max(len(s.behav) for s in samples), [], [], None
     where, targets = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
     mask, behav, adv = torch.zeros(B, T), torch.zeros(B, T), torch.tensor([s.adv for s in samples])  # adv (B,)
     for i, s in enumerate(samples):

@@ -2,8 +2,7 @@
 
 Copied from vLLM (v0.27-v0.33 sources): the error body (`ErrorResponse` in vllm/entrypoints/serve/engine/protocol.py),
 the auth rule and its 401 {"error": "Unauthorized"} (vllm/entrypoints/serve/middleware/authenticate.py), "has
-already been loaded" (vllm/entrypoints/openai/models/serving.py) and "No adapter found" (vllm/exceptions.py).
-"""
+already been loaded" (vllm/entrypoints/openai/models/serving.py) and "No adapter found" (vllm/exceptions.py)."""
 import asyncio
 import contextlib
 import hmac
@@ -26,8 +25,7 @@ class ServerConfig:  # what the server and the proxy both take
     body_timeout_s: float = field(default=30.0, metadata={"help": "answer 408 to a body that takes longer to arrive"})
 
 
-class BadRequest(Exception):
-    """Raised anywhere in a handler; the middleware answers it as vLLM's error body."""
+class BadRequest(Exception):  # raised anywhere in a handler; the middleware answers it as vLLM's error body
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "BadRequestError"):
         super().__init__(message)
@@ -66,7 +64,6 @@ def bearer(key: str) -> dict:
 
 
 def guard(api_key: str, body_timeout_s: float):
-    """Both servers' middleware: vLLM's auth rule, the whole body read within the timeout, failures as vLLM's body."""
     @web.middleware
     async def middleware(request: web.Request, handler):
         # the exact key, compared in constant time on the raw bytes (aiohttp keeps non-UTF-8 bytes as surrogates)

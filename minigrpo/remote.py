@@ -1,7 +1,6 @@
 """HttpEngine: TorchEngine's interface (load_adapter, generate) on `vllm serve`, `python -m minigrpo.serve` or proxy.py.
-A version is loaded under its directory's (never reused) name and requested as model = that name, then unloaded once
-it leaves the staleness window.
-"""
+A version is loaded under its directory's (never reused) name and requested as model = that name, then unloaded once it
+leaves the staleness window."""
 import asyncio
 import atexit
 import itertools
@@ -54,8 +53,7 @@ class HttpEngine:
     async def _load(self, name: str, path: str):
         status, text = await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
         if status == 400 and P.LOADED in text:  # another generator was first: fine if /v1/models shows this path
-            there = P.root_of((await self._call("GET", "/v1/models"))[1], name)
-            if there != path:
+            if (there := P.root_of((await self._call("GET", "/v1/models"))[1], name)) != path:
                 raise ServerError(f"{self.url} already serves {name} from {there}, not from {path}")
         elif status != 200:
             raise ServerError(f"{self.url} refused to load {name} from {path}: {status} {text[:300]}")

@@ -1,8 +1,8 @@
 """The rollout record and buffer: the only data that flows from generators to the trainer. One group (G completions
 of one prompt, all sampled with one adapter version) is one safetensors object, RUN/rollouts/<writer>-<seq>.safetensors,
 written once and never moved: tensors for the ids and log-probs, string metadata for the rest. Also here: the
-trainer's Ledger of consumed groups, quarantine and garbage collection (README, "The run directory").
-"""
+trainer's Ledger of consumed groups, quarantine and garbage collection (README, "The run directory")."""
+import collections
 import errno
 import hashlib
 import json
@@ -23,12 +23,11 @@ DTYPES = {"prompt_ids": INTS, "completion_ids": INTS, "completion_lens": INTS, "
           "rewards": (torch.float32,), "truncated": (torch.bool,)}
 FLAT, PADDED = ("prompt_ids", "rewards", "truncated"), ("completion_ids", "behavior_logprobs")  # Group's tensors
 META = {"policy_version": int, "temperature": float, "adapter_digest": str, "group_id": str, "generator_id": str,
-        "started_at": float, "finished_at": float, "grader": str}  # the Group fields kept as string metadata
+        "started_at": float, "finished_at": float, "grader": str, "run_id": str}  # the Group fields kept as string metadata
 
 
 @dataclass
-class Group:
-    """G completions of one prompt. Lists hold one entry per completion, in sampling order."""
+class Group:  # G completions of one prompt; lists hold one entry per completion, in sampling order
     prompt_ids: list[int]
     completion_ids: list[list[int]]  # the stop token included when one was sampled; no padding
     behavior_logprobs: list[list[float]]  # log mu(token), temperature applied, one per completion token
@@ -42,24 +41,23 @@ class Group:
     started_at: float = 0.0
     finished_at: float = 0.0
     grader: str = ""  # the task's grader that scored the rewards (tasks.py)
+    run_id: str = ""  # run.json's run_id, set when written: a group copied from another run is refused
 
 
-def to_tensors(group: Group) -> tuple[dict, dict]:
-    """(tensors, metadata): completions right-padded to the longest, with their lengths alongside."""
+def to_tensors(group: Group) -> tuple[dict, dict]:  # completions right-padded to the longest, their lengths alongside
     tensors = {k: torch.tensor(getattr(group, k), dtype=DTYPES[k][0]) for k in FLAT}
     tensors |= {k: pad_sequence([torch.tensor(r, dtype=DTYPES[k][0]) for r in getattr(group, k)], True) for k in PADDED}
     tensors["completion_lens"] = torch.tensor([len(c) for c in group.completion_ids], dtype=torch.long)
     return tensors, {"format": FORMAT} | {k: str(getattr(group, k)) for k in META}
 
 
-def read_group(data: bytes, group_id: str) -> Group:
-    """Inverse of to_tensors, validating as it goes: any inconsistency is a ValueError that says what is wrong."""
+def read_group(data: bytes, group_id: str) -> Group:  # to_tensors' inverse; any inconsistency is a ValueError that says what
     tensors = load(data)  # safetensors: the header's length in 8 little-endian bytes, then the JSON header
     metadata = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
     if metadata.get("format") != FORMAT:
         raise ValueError(f"format is {metadata.get('format')!r}, expected {FORMAT!r}")
-    if metadata.pop("group_id", group_id) not in (group_id, ""):  # the same bytes under a second name: trained once
-        raise ValueError(f"group_id: this group was written under another name, found as {group_id!r} (a copy)")
+    if (named := metadata.pop("group_id", None)) != group_id:  # the same bytes under a second name: trained once
+        raise ValueError(f"group_id: this group was written as {named!r}, found as {group_id!r} (a copy)")
     if missing := DTYPES.keys() - tensors.keys():
         raise ValueError(f"missing tensors {sorted(missing)}")
     for name, kinds in DTYPES.items():
@@ -74,16 +72,12 @@ def read_group(data: bytes, group_id: str) -> Group:
         raise ValueError(f"completion lengths {lens.tolist()} do not fit {ids.shape[1]} columns")
     if not torch.isfinite(logps).all() or logps.max() > 1e-4:
         raise ValueError("behavior_logprobs must be finite and <= 0")
-    if not torch.isfinite(tensors["rewards"]).all():
-        raise ValueError("rewards must be finite")
-    lens = lens.tolist()
-    rows = {k: [row[:n] for row, n in zip(tensors[k].tolist(), lens)] for k in PADDED}
+    rows = {k: [row[:n] for row, n in zip(tensors[k].tolist(), lens.tolist())] for k in PADDED}
     return Group(**{k: tensors[k].tolist() for k in FLAT}, **rows, group_id=group_id,
                  **{k: read(metadata[k]) for k, read in META.items() if k in metadata})
 
 
-def sequence_number(group_id: str) -> tuple[int, str]:
-    """Sort key: the writer's sequence number (-1 for a name without one, which is read first, like any other)."""
+def sequence_number(group_id: str) -> tuple[int, str]:  # sort key; -1 for a name without one (read first, like any other)
     tail = group_id.rsplit("-", 1)[-1]
     return int(tail) if tail.isascii() and tail.isdigit() else -1, group_id
 
@@ -103,8 +97,7 @@ class Ledger:
         self.collect, self.consumed = set(state.get("collect") or []), set(state.get("consumed") or [])
         self.taken, self.skip = set(), self.collect | self.consumed
 
-    def state(self) -> dict:
-        """What the next checkpoint records; after it is complete, call advance()."""
+    def state(self) -> dict:  # what the next checkpoint records; after it is complete, call advance()
         return {"collect": sorted(self.consumed), "consumed": sorted(self.taken)}  # the sets as advance() leaves them
 
     def advance(self):
@@ -112,30 +105,31 @@ class Ledger:
 
 
 class RolloutBuffer:
-    def __init__(self, storage):
-        self.storage, self.order = storage, {}  # order: unconsumed group ids in the order first seen (FIFO)
+    def __init__(self, storage, run_id: str = ""):
+        self.storage, self.run_id, self.order = storage, run_id, {}  # order: unconsumed ids in the order first seen
         self.seen, self.active = {}, {}  # each writer's last sequence number in the last listing; when it last grew
+        self.reasons = collections.Counter()  # quarantines by kind ("ValueError: rewards"), for the trainer's stop line
 
     def write(self, groups: list[Group], writer: str, seq: int) -> list[str]:
-        """Add finished groups, one object each, numbered from seq on (together: one round trip on a bucket)."""
+        """Add finished groups, one object each, numbered from seq on, create-only: a name taken is a FileExistsError."""
         for i, group in enumerate(groups):
-            group.group_id, group.generator_id = f"{writer}-{seq + i:06d}", writer
-        self.storage.put_many({group_key(g.group_id): save(*to_tensors(g)) for g in groups})
+            group.group_id, group.generator_id, group.run_id = f"{writer}-{seq + i:06d}", writer, self.run_id
+        self.storage.put_many({group_key(g.group_id): save(*to_tensors(g)) for g in groups}, create=True)
         return [g.group_id for g in groups]
 
-    def listed(self) -> list[str]:
-        """Ids of the groups in rollouts/, consumed or not (the trainer publishes how many of them it consumed)."""
+    def listed(self) -> list[str]:  # ids in rollouts/, consumed or not (the trainer publishes how many it consumed)
         return [n.removesuffix(".safetensors") for n in self.storage.list("rollouts") if n.endswith(".safetensors")]
 
     def take(self, n: int, ledger: Ledger, validate=lambda group: None, stats=None) -> list[Group]:
-        """Up to n of the oldest groups the ledger has not seen, recorded in it; one that fails is quarantined."""
-        stats, listed, seen = {} if stats is None else stats, self.listed(), {}
-        for gid in listed:
-            seen[writer] = max(sequence_number(gid)[0], seen.get(writer := gid.rsplit("-", 1)[0], -1))
-        self.active |= {w: time.monotonic() for w, s in seen.items() if s > self.seen.get(w, -1)}
-        self.seen = seen
-        new = sorted((i for i in listed if i not in ledger.skip), key=sequence_number)
-        self.order.update(dict.fromkeys(new))  # new ones join the end by sequence number; known ones keep their place
+        """Up to n of the oldest groups the ledger has not seen, recorded in it; one that fails is quarantined.
+        rollouts/ is listed only when fewer than n are known to wait: on a bucket a listing is the costly request."""
+        stats, seen = {} if stats is None else stats, {}
+        if len(self.order) < n:
+            for gid in (listed := self.listed()):
+                seen[writer] = max(sequence_number(gid)[0], seen.get(writer := gid.rsplit("-", 1)[0], -1))
+            self.active |= {w: time.monotonic() for w, s in seen.items() if s > self.seen.get(w, -1)}
+            self.seen, new = seen, sorted((i for i in listed if i not in ledger.skip), key=sequence_number)
+            self.order.update(dict.fromkeys(new))  # new ones join the end by sequence number; known ones keep their place
         groups = []
         while len(groups) < n and self.order:
             batch = list(self.order)[:n - len(groups)]  # the oldest, read together
@@ -149,8 +143,7 @@ class RolloutBuffer:
                 try:
                     if isinstance(data, Exception):  # not a regular file, or one this user cannot read
                         raise data
-                    group = read_group(data, gid)
-                    validate(group)
+                    validate(group := read_group(data, gid))
                 except Exception as e:  # noqa: BLE001 - nothing in a group file may stop the trainer
                     self.quarantine(gid, data, f"{type(e).__name__}: {e}", stats)
                     stats["attribution_mismatch"] = stats.get("attribution_mismatch", 0) + isinstance(e, AttributionError)
@@ -165,9 +158,11 @@ class RolloutBuffer:
         now = time.monotonic()
         return {"waiting": len(self.order), "seen": self.seen, "writers": sum(now - t < window_s for t in self.active.values())}
 
-    def quarantine(self, group_id: str, data: bytes | Exception, reason: str, stats: dict):
+    def quarantine(self, group_id: str, data: "bytes | Exception | Group", reason: str, stats: dict):
         """Keep the evidence in bad/ (under a name any store takes), then remove the entry from rollouts/."""
+        data = save(*to_tensors(data)) if isinstance(data, Group) else data
         stats["bad_total"] = stats.get("bad_total", 0) + 1
+        self.reasons[re.match(r"[\w ]*(: \w+)?", reason)[0]] += 1
         safe = group_id if re.fullmatch(r"[\w.-]{1,100}", group_id, re.ASCII) else re.sub(r"[^\w.-]", "_", group_id[:80], flags=re.ASCII) \
             + "-" + hashlib.sha256(group_id.encode(errors="surrogateescape")).hexdigest()[:12]
         self.storage.put(f"bad/{safe}.reason.txt", f"{group_id!r}: {reason}\n")
@@ -185,14 +180,18 @@ class RolloutBuffer:
         fenced(self.storage.delete, keys[len(keys) // 2:])
 
 
-def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_of=None):
-    """The trainer's checks against run.json's bounds; digest_of(v) is the digest of version v ("" if unknown)."""
+def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_of=None, reward_range=(0.0, 1.0)):
+    """The trainer's checks against run.json and the task's reward range; digest_of(v): version v's digest or ""."""
+    if group.run_id != run["run_id"]:
+        raise ValueError(f"run_id: written for run {group.run_id!r}, this run is {run['run_id']!r} (a copy)")
     if (G := len(group.completion_ids)) != run["group_size"]:
         raise ValueError(f"group_size: the group has {G} completions, the run's is {run['group_size']}")
     if not math.isclose(group.temperature, run["temperature"], rel_tol=0, abs_tol=1e-6):
         raise ValueError(f"temperature: sampled at {group.temperature}, the run uses {run['temperature']}")
     if run.get("grader") and group.grader != run["grader"]:  # rewards from another grader would mix in
         raise ValueError(f"grader: scored by {group.grader or 'an unnamed grader'!r}, the run's is {run['grader']!r}")
+    if outside := [r for r in group.rewards if not reward_range[0] <= r <= reward_range[1]]:
+        raise ValueError(f"rewards: {outside[:3]} outside the task's range {list(reward_range)}")
     if group.policy_version > version:
         raise ValueError(f"policy_version {group.policy_version} is from the future (trainer at {version})")
     if not 1 <= len(group.prompt_ids) <= run["max_prompt_len"]:
@@ -208,5 +207,5 @@ def check_group(group: Group, run: dict, vocab_size: int, version: int, digest_o
                                f"{group.policy_version} is {expected} (a replica served other weights)")
 
 
-class AttributionError(ValueError):
-    """A group whose adapter digest is not the one of the version it names."""
+class AttributionError(ValueError):  # a group whose adapter digest is not the one of the version it names
+    pass

@@ -5,19 +5,20 @@ As in vLLM's prefix cache (not its exact hashes), a prompt is cut into 16-token 
 with the model (adapter) name; the last block may be partial. A replica owns the blocks sent to it (a bounded LRU
 table). The template every prompt starts with is found from the data: blocks every replica owns, or that two
 different blocks follow. The longest prefix past it wins while its replica is at most `imbalance` requests ahead
-of the least loaded; otherwise the least loaded gets the request (round-robin on ties).
-"""
+of the least loaded; otherwise the least loaded gets the request (round-robin on ties). Only a prompt's first
+max_prompt_blocks blocks (4,096 tokens) count: memory is bounded by max_blocks entries (about 0.6 KB each), not prompts."""
 import array
 import collections
-import functools
 import hashlib
 import itertools
 import json
 
 
 class PrefixRouter:
-    def __init__(self, n: int, block_size: int = 16, imbalance: int = 32, max_blocks: int = 500_000):
+    def __init__(self, n: int, block_size: int = 16, imbalance: int = 32, max_blocks: int = 500_000,
+                 max_prompt_blocks: int = 256):
         self.n, self.block_size, self.imbalance, self.max_blocks = n, block_size, imbalance, max_blocks
+        self.max_prompt_blocks = max_prompt_blocks
         self.table = collections.OrderedDict()  # block hash -> (owners: set[int], successors: set[bytes]), LRU
         self.turns = itertools.count()  # round-robin among equally loaded replicas
 
@@ -28,7 +29,7 @@ class PrefixRouter:
             data, size = array.array("q", prompt).tobytes(), 8
         except (OverflowError, TypeError):
             data, size = json.dumps(prompt).encode(), 4
-        hashes = chain(model, data, size * self.block_size)
+        hashes = chain(model, data[:size * self.block_size * self.max_prompt_blocks], size * self.block_size)
         matched, owners_so_far, common, fanout = [0] * self.n, set(range(self.n)), 0, 0
         for depth, h in enumerate(hashes, 1):
             owners, successors = self.table.get(h, (set(), set()))  # a block nobody owns ends the match below
@@ -42,8 +43,7 @@ class PrefixRouter:
             for i in owners_so_far:
                 matched[i] = depth
         specific = [max(0, m - common) for m in matched]
-        best = max(range(self.n), key=lambda i: (specific[i], -inflight[i]))
-        least = min(inflight)
+        best, least = max(range(self.n), key=lambda i: (specific[i], -inflight[i])), min(inflight)
         if specific[best] > 0 and inflight[best] - least <= self.imbalance:
             pick, kind = best, "affinity"
         else:
@@ -51,20 +51,16 @@ class PrefixRouter:
             pick, kind = ties[next(self.turns) % len(ties)], "spilled" if specific[best] > 0 else "unmatched"
             if matched[pick] == len(hashes) and len(hashes) > fanout:  # the loop saw every block: fanout is final
                 kind = "affinity"  # every replica holds this whole prompt (it spilled before): a hit wherever it goes
-        self._remember(hashes, pick)
-        return pick, kind
-
-    def _remember(self, hashes: tuple[bytes, ...], pick: int):
-        for prev, h in zip((None, *hashes), hashes):
+        for prev, h in zip((None, *hashes), hashes):  # remember where the prompt went
             self.table.setdefault(h, (set(), set()))[0].add(pick)
             self.table.move_to_end(h)
             if prev in self.table and len(self.table[prev][1]) < 2:
                 self.table[prev][1].add(h)  # two successors are enough to call a block shared
         while len(self.table) > self.max_blocks:
             self.table.popitem(last=False)
+        return pick, kind
 
 
-@functools.lru_cache(maxsize=4096)  # a prompt comes G times in a row: hash its blocks once
 def chain(model: str, data: bytes, size: int) -> tuple[bytes, ...]:
     # the seed: the model name (surrogatepass: JSON can carry a lone surrogate, which plain UTF-8 refuses)
     hashes = [hashlib.blake2b(model.encode("utf-8", "surrogatepass"), digest_size=16).digest()]

@@ -1,6 +1,5 @@
 """The run: the settings every process must agree on (RUN/run.json), the trainer's lease (RUN/owner.json), the
-metrics records (RUN/metrics/) and the fault points the crash tests use. All of it goes through storage.py.
-"""
+metrics records (RUN/metrics/) and the fault points the crash tests use. All of it goes through storage.py."""
 import contextlib
 import json
 import os
@@ -19,8 +18,7 @@ from minigrpo.lora import DEFAULT_TARGETS
 
 
 @dataclass
-class RunSettings:
-    """Settings the trainer and every generator must share. Written once to RUN/run.json, checked by each joiner."""
+class RunSettings:  # shared by the trainer and every generator: written once to RUN/run.json, checked by each joiner
     model: str = field(default="demo", metadata={"help": "base model: 'demo' (built in), a local folder or a hub id"})
     task: str = field(default="reverse_add", metadata={"help": "prompt set and reward: reverse_add | math (minigrpo/tasks.py)"})
     task_data: str = field(default="", metadata={"help": "math: a .jsonl/.parquet file or hf://datasets/OWNER/NAME/FILE"})
@@ -38,14 +36,18 @@ class RunSettings:
     max_new_tokens: int = field(default=8, metadata={"help": "completion length limit (also Dr. GRPO's constant)"})
     max_prompt_len: int = field(default=2048, metadata={"help": "longest prompt in tokens; longer groups are refused"})
     max_staleness: int = field(default=4, metadata={"help": "drop groups more than this many adapter versions old"})
+    generator_dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={"help": "the "
+        "generators' weights (vLLM: its --dtype); the trainer's policy check allows for their rounding"})
 
-    def is_fresh(self, trainer_version: int, policy_version: int) -> bool:
-        """The staleness window: drop a group more than max_staleness versions behind (strict >, as TRL does)."""
+    def is_fresh(self, trainer_version: int, policy_version: int) -> bool:  # the staleness window (strict >, as TRL does)
         return trainer_version - policy_version <= self.max_staleness
 
 
-def parse_config(*types, argv=None):
-    return HfArgumentParser(types).parse_args_into_dataclasses(argv)
+def parse_config(*types, argv=None):  # the flags, one dataclass each; an unknown flag: one line (exit 2), no traceback
+    *configs, unknown = (parser := HfArgumentParser(types)).parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    if unknown:
+        parser.exit(2, f"{parser.prog}: unrecognized arguments: {' '.join(unknown)} (--help lists the flags)\n")
+    return configs
 
 
 FAULTS = [f.split(":") for f in os.environ.get("MINIGRPO_FAULT", "").split(",") if f]  # for the crash tests; read once
@@ -67,8 +69,7 @@ def fault(point: str, step: int):
                 os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def create_run(storage, settings: RunSettings, grader: str = "") -> dict:
-    """Write run.json if it is absent (with the grader every group must be scored by), then join it."""
+def create_run(storage, settings: RunSettings, grader: str = "") -> dict:  # grader: the one that must score every group
     if not storage.exists("run.json"):
         if storage.list("adapters") or storage.list("checkpoints"):
             raise SystemExit(f"{storage.url('run.json')} is missing but the run has adapters or checkpoints: "
@@ -81,6 +82,8 @@ def create_run(storage, settings: RunSettings, grader: str = "") -> dict:
 def join_run(storage, settings: RunSettings, timeout_s: float = 600.0) -> dict:
     """Wait for the trainer to create run.json, then check that it has this process's settings. Returns it."""
     t0 = time.time()
+    if not storage.exists("run.json"):
+        print(f"waiting up to {timeout_s:.0f}s for {storage.url('run.json')}: train.py creates it", flush=True)
     while not storage.exists("run.json"):
         if time.time() - t0 > timeout_s:
             raise SystemExit(f"no {storage.url('run.json')} after {timeout_s:.0f}s: is train.py running with "
@@ -91,18 +94,21 @@ def join_run(storage, settings: RunSettings, timeout_s: float = 600.0) -> dict:
     except ValueError as e:  # a damaged run.json is one clear line, not a traceback
         raise SystemExit(f"{storage.url('run.json')} is damaged (not valid JSON: {e}): restore it or change "
                          f"--run_dir") from e
-    diff = [f"{k}: run.json has {theirs.get(k)!r}, this process has {v!r}"
-            for k, v in asdict(settings).items() if theirs.get(k) != v]
-    if diff:
+    if diff := [f"{k}: run.json has {theirs.get(k)!r}, this process has {v!r}"
+                for k, v in asdict(settings).items() if theirs.get(k) != v]:
         raise SystemExit(f"{storage.url('run.json')} was written with other settings; start this process with the "
                          f"same ones (or use another --run_dir):\n  " + "\n  ".join(diff))
     return theirs
 
 
-def dead_here(lease: dict) -> bool:
-    """A killed trainer on this same host: its lease can be taken at once (a restart after SIGKILL)."""
+def here() -> dict:  # what makes a pid one process: host, boot and PID namespace (two containers share a hostname)
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return {"host": socket.gethostname(), "boot": f.read().strip(), "pidns": os.stat("/proc/self/ns/pid").st_ino}
+
+
+def dead_here(lease: dict) -> bool:  # its trainer died here (host, boot, PID namespace): take the lease at once (a restart)
     try:
-        if lease["host"] == socket.gethostname() and lease["pid"] > 0:
+        if {k: lease[k] for k in ("host", "boot", "pidns")} == here() and lease["pid"] > 0:
             os.kill(lease["pid"], 0)  # signal 0 only asks whether the process exists
     except ProcessLookupError:
         return True
@@ -111,7 +117,7 @@ def dead_here(lease: dict) -> bool:
     return False
 
 
-LEASE = {"owner": "", "host": "", "pid": 0, "epoch": 0, "timeout_s": 60.0, "checkpoints": None, "waiting": -1,
+LEASE = {"owner": "", "host": "", "boot": "", "pidns": 0, "pid": 0, "epoch": 0, "timeout_s": 60.0, "checkpoints": None, "waiting": -1,
          "seen": {}, "writers": 0, "groups_per_step": 1}  # the fields readers rely on, and their defaults
 
 
@@ -130,50 +136,37 @@ def lease_view(raw: bytes | None) -> dict:
     return out
 
 
-class Watch:
-    """How long an object's bytes stayed the same, on this process's monotonic clock: skew cannot fool it."""
-
-    def __init__(self):
-        self.raw, self.since = None, time.monotonic()
-
-    def unchanged_s(self, raw) -> float:
-        if raw != self.raw:
-            self.raw, self.since = raw, time.monotonic()
-        return time.monotonic() - self.since
-
-
 class Lease:
     """owner.json, the trainer's lease and fencing token (README, "The run directory"): each life takes a higher
     epoch, bumps `beat` every timeout_s / 6, and writes owner.json only if it is still its own last write."""
 
     def __init__(self, storage, timeout_s: float = 60.0, **about):  # about: what generators may read (groups_per_step)
         self.storage, self.timeout_s, self.lock, self.stop = storage, timeout_s, WRITING, threading.Event()
-        self.info = {"owner": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(), "beat": 0,
-                     "timeout_s": timeout_s, **about}
+        self.info = {"owner": uuid.uuid4().hex[:12], **here(), "pid": os.getpid(), "beat": 0, "timeout_s": timeout_s, **about}
 
     def acquire(self) -> dict | None:
-        """Take the lease if it is absent, its owner died here, or it stays unchanged for timeout_s; refuse if it
-        changes. Returns the lease taken over (None if there was none)."""
+        """Take the lease if it is absent, its owner died here, or it stays unchanged for timeout_s; refuse if it changes."""
         raw, self.token = self.storage.versioned("owner.json")
-        theirs, watch = lease_view(raw), Watch()
-        while raw is not None and not dead_here(theirs) and watch.unchanged_s(raw) < self.timeout_s:
+        theirs, since = lease_view(raw), time.monotonic()  # this process's clock: another's skew cannot fool it
+        while raw is not None and not dead_here(theirs) and time.monotonic() - since < self.timeout_s:
             time.sleep(min(1.0, self.timeout_s / 20))
             if self.storage.versioned("owner.json")[0] != raw:
                 raise SystemExit(f"{self.storage.url()} is owned by trainer {theirs['owner']} (host {theirs['host']}, "
                                  f"pid {theirs['pid']}, epoch {theirs['epoch']}): its heartbeat moved within "
-                                 f"{time.monotonic() - watch.since:.0f}s. One trainer per run: stop it, or start this "
+                                 f"{time.monotonic() - since:.0f}s. One trainer per run: stop it, or start this "
                                  f"one once the lease stays unchanged for {self.timeout_s:.0f}s (--lease_timeout_s).")
         # each life's metrics segments carry its epoch, should owner.json be garbage
         epochs = [int(m[1]) for name in self.storage.list("metrics") if (m := re.match(r"train-e(\d+)-", name))]
         self.info |= {"epoch": max([theirs["epoch"], *epochs]) + 1,  # a new run has committed no checkpoint
                       "checkpoints": theirs["checkpoints"] if raw is not None or epochs else []}
+        if self.info["epoch"] > 999_999:  # names carry it in six digits, which must sort as numbers
+            raise SystemExit(f"{self.storage.url()}: owner.json or metrics/ claim epoch {self.info['epoch'] - 1}: past 999998")
         self.write()
         self.beat = threading.Thread(target=self._beat, daemon=True)
         self.beat.start()
         return theirs if raw is not None else None
 
-    def write(self, **progress):
-        """Replace owner.json (beat + 1), conditional on it being this trainer's last write."""
+    def write(self, **progress):  # beat + 1
         with self.lock:
             self.info |= progress | {"beat": self.info["beat"] + 1}
             try:
@@ -245,12 +238,13 @@ class Metrics:
         earlier = read_records(storage, lives or f"{name}-") if tracker else []  # lives: all lives' names begin so
         self.last = max((r.get("step", i) for i, r in enumerate(earlier)), default=-1)  # a generator's: batches
 
-    def log(self, record: dict, line: str):
+    def log(self, record: dict, line: str | None):
         if len(self.records) == self.segment:
             self.records, self.n = [], self.n + 1
         self.records.append(json.dumps(record))
         self.storage.put(f"{self.prefix}-{self.n:05d}.jsonl", "\n".join(self.records) + "\n")
-        print(line, flush=True)
+        if line:  # one write, newline included: two processes on one terminal do not merge mid-line
+            print(line + "\n", end="", flush=True)
         if self.send and (step := record.get("step", self.last + 1)) > self.last:  # after the record: never sent twice
             self.send({k: v for k, v in record.items() if type(v) in (int, float) and k not in ("step", "time")}, step)
             self.last = step

@@ -49,8 +49,9 @@ class Storage:
         objects = {k: d.encode(errors="surrogateescape") if isinstance(d, str) else d for k, d in objects.items()}
         if not self.local:
             with self._naming("write", next(iter(objects), "")):
-                if create:
-                    return [self.fs.pipe_file(f"{self.root}/{k}", v, mode="create") for k, v in objects.items()]
+                if create:  # If-None-Match on S3
+                    with ThreadPoolExecutor(16) as pool:
+                        return list(pool.map(lambda k: self.fs.pipe_file(f"{self.root}/{k}", objects[k], mode="create"), objects))
                 return self.fs.pipe({f"{self.root}/{k}": v for k, v in objects.items()})
         for key, data in objects.items():
             folder = os.path.dirname(f"{self.root}/{key}")
@@ -84,8 +85,7 @@ class Storage:
             reads = [pool.submit(self.get, key) for key in keys]
         return [read.exception() or read.result() for read in reads]
 
-    def versioned(self, key: str) -> tuple[bytes | None, str | None]:
-        """(the object or None, its version token: S3's ETag, elsewhere a hash of the bytes)."""
+    def versioned(self, key: str) -> tuple[bytes | None, str | None]:  # the token: S3's ETag, elsewhere the bytes' sha256
         try:
             if not self.s3:
                 data = self.get(key)
@@ -115,8 +115,7 @@ class Storage:
         return hashlib.sha256(data).hexdigest()
 
     @contextlib.contextmanager
-    def locked(self):
-        """The run's lock (flock on RUN/.lock), re-entrant, on a local disk or NFS; a no-op on a bucket."""
+    def locked(self):  # the run's lock (flock on RUN/.lock), re-entrant, on a local disk or NFS; a no-op on a bucket
         with self.mutex, contextlib.ExitStack() as held:
             if self.local and self.depth == 0:  # the outermost holder locks the file; closing it releases the lock
                 os.makedirs(self.root, exist_ok=True)
@@ -156,7 +155,6 @@ class Storage:
                     os.remove(path)
 
 
-def read_bytes(path: str) -> bytes:
-    """One whole file from a local path or URL that a user points at (an adapter), links followed."""
+def read_bytes(path: str) -> bytes:  # one whole file from a local path or URL a user points at (an adapter), links followed
     with fsspec.open(path, "rb") as f:
         return f.read()

@@ -2,8 +2,7 @@
 reverse_add, the demo task: "12+34=" -> "64", the sum written backwards, which makes the carry local (a 2-layer model
 learns it). math: --task_data's problems; the reward is 1 when the last \\boxed{...} (--answer_format: or, for a model
 that rarely boxes, the last number or "Answer:" line) after a reasoning model's one </think> equals the reference as
-math-verify judges it: spacing, \\left/\\right, \\dfrac, \\text{}, degrees, 1,000, 1/2 = 0.5, (x+1)^2 = x^2+2x+1.
-"""
+math-verify judges it: spacing, \\left/\\right, \\dfrac, \\text{}, degrees, 1,000, 1/2 = 0.5, (x+1)^2 = x^2+2x+1."""
 import collections
 import importlib.metadata
 import json
@@ -39,8 +38,7 @@ class ReverseAddition:
         return float(completion.strip() == answer)
 
 
-def last_boxed(text: str) -> str | None:
-    """The contents of the last \\boxed{...} (or \\fbox{...}), braces matched; None if there is none."""
+def last_boxed(text: str) -> str | None:  # what the last \boxed{...} (or \fbox{...}) holds, braces matched; None if none
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     if start < 0:
         return None
@@ -53,7 +51,6 @@ def last_boxed(text: str) -> str | None:
 
 
 def answer_of(text: str, answer_format: str = "boxed") -> str | None:
-    """The answer a completion gives: its last \\boxed{}, its last number, or the rest of its last 'Answer:' line."""
     if answer_format == "last_number":
         return (re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?", text) or [None])[-1]
     if answer_format == "answer_line":

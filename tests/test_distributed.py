@@ -45,7 +45,9 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
                for n in ("one", "two")]
     assert weights[0].keys() == weights[1].keys()
     for key in weights[0]:
-        torch.testing.assert_close(weights[0][key], weights[1][key], atol=1e-5, rtol=1e-4)
+        # atol 3e-5, 1% of one step at lr 3e-3: the all-reduce sums in another order, and Adam magnifies that rounding
+        # on an element whose gradient is near 0 (float64 advantages moved one such element by 2e-5)
+        torch.testing.assert_close(weights[0][key], weights[1][key], atol=3e-5, rtol=1e-4)
     assert any(weights[0][k].abs().sum() > 0 for k in weights[0] if "lora_B" in k), "the adapter trained"
 
 

@@ -1,12 +1,14 @@
-"""The torch engine: behaviour log-probs the trainer reproduces, stopping, seeding, padding, both cache APIs.
+"""The torch engine: behaviour log-probs the trainer reproduces, stopping, seeding, padding, the KV cache.
 
     python -m pytest -q tests/test_engine.py
 """
 import math
+import subprocess
+import sys
 
 import torch
 import torch.nn as nn
-from conftest import sequence_logprobs, tiny_model
+from conftest import ROOT, sequence_logprobs, tiny_model
 
 from minigrpo.engine import SamplingParams as SP, TorchEngine
 from minigrpo.lora import inject_lora, lora_layers
@@ -101,3 +103,27 @@ def test_each_request_keeps_its_own_limits():  # a request's own stop ids are th
     out = engine.generate(PROMPTS, [SP(n=2, max_tokens=3), SP(max_tokens=7), SP(max_tokens=1)])
     assert [len(c.token_ids) for c in out[0]] == [3, 3] and out[0][0].finish_reason == "length"
     assert [len(out[1][0].token_ids), len(out[2][0].token_ids)] == [7, 1]
+
+
+def test_each_decode_step_extends_the_kv_cache_and_decodes_as_a_full_forward_does():
+    """transformers < 5.24 took the cache as past_key_values= and ignored cache=: each step then saw only its token."""
+    model, seen = tiny_model(), []
+    engine = TorchEngine(model, stop_ids=[], pad_id=0)
+    forward = engine._forward
+    engine._forward = lambda ids, mask, pos, cache: seen.append((cache.get_seq_length(), ids.shape[1])) or forward(
+        ids, mask, pos, cache)
+    out = engine.generate(PROMPTS, SP(max_tokens=5, temperature=0))
+    assert seen == [(0, 5), (5, 1), (6, 1), (7, 1), (8, 1)], "the prompts (left-padded to 5), then one token a step"
+    for prompt, (c,) in zip(PROMPTS, out):  # greedy, recomputed from scratch without a cache
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(5):
+                ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        assert c.token_ids == ids[len(prompt):]
+
+
+def test_an_older_transformers_is_refused_at_import_in_one_line():
+    code = "import transformers; transformers.__version__ = '5.17.0'; import minigrpo.engine"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and out.stderr.splitlines()[-1] == (
+        "ImportError: minigrpo needs transformers >= 5.24 (requirements.txt pins 5.24.0), this is 5.17.0")

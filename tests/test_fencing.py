@@ -208,14 +208,13 @@ def test_four_generators_on_one_trainer_drop_at_most_one_percent_as_stale(tmp_pa
 def test_a_generator_trusts_a_lease_only_while_it_changes_whatever_its_timestamps(tmp_path):
     from generate import waiting_groups
     from minigrpo.rollouts import RolloutBuffer
-    from minigrpo.run import Watch
     storage = Storage(str(tmp_path / "run"))
     for i in range(20):
         storage.put(f"rollouts/w-{i:06d}.safetensors", b"")
     lease = {"owner": "t", "waiting": 0, "seen": {"w": 19}, "writers": 1, "timeout_s": 0.3, "groups_per_step": 4,
              "heartbeat": time.time() + 3600, "beat": 1}  # a trainer an hour ahead, dead: its room is not there
     storage.put("owner.json", json.dumps(lease))
-    buffer, watch = RolloutBuffer(storage), Watch()
+    buffer, watch = RolloutBuffer(storage), {"raw": None, "since": time.monotonic()}
     assert waiting_groups(buffer, watch, "w", 20, 8)[0] == 0  # live as far as this generator knows: room
     time.sleep(0.35)
     assert waiting_groups(buffer, watch, "w", 20, 8)[0] == 28  # unchanged for its timeout: count the listing

@@ -3,6 +3,7 @@
     python -m pytest -q tests/test_router.py
 """
 import random
+import time
 
 from minigrpo.router import PrefixRouter
 
@@ -89,3 +90,48 @@ def test_a_prompt_shorter_than_one_block_follows_its_first_request():
     assert kind == "unmatched"
     assert all(router.choose("m", [1, 2, 3], [0, 0, 0, 0]) == (home, "affinity") for _ in range(15))
     assert router.choose("m", [1, 2, 4], [0, 0, 0, 0])[1] == "unmatched"
+
+
+def test_refused_huge_prompts_leave_the_proxys_memory_as_it_was():
+    """30 distinct 2M-token prompts that the replica refuses: the router keeps entries for their first 256 blocks only
+    (about 5 MB for the 30; the lru_cache of whole prompts it replaced took the proxy from 179 to 828 MB)."""
+    import http.server
+    import json
+    import threading
+    from conftest import call, free_port, start
+
+    class Refuses(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"object": "error", "message": "prompt too long", "code": 400}).encode()
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    replica = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuses)
+    threading.Thread(target=replica.serve_forever, daemon=True).start()
+    port, tokens = free_port(), [random.Random(0).randrange(50_000) for _ in range(2_000_000)]
+    proxy = start(["proxy.py", "--upstream", f"http://127.0.0.1:{replica.server_port}", "--port", str(port),
+                   "--no_auth", "--max_body_mb", "64"], port, wait=False)
+    rss = lambda: int(next(l for l in open(f"/proc/{proxy.pid}/status") if l.startswith("VmRSS")).split()[1]) / 1024  # noqa: E731,E741
+    send = lambda i: call("POST", f"http://127.0.0.1:{port}/v1/completions", {"model": "m", "prompt": [i] + tokens})[0]  # noqa: E731
+    try:
+        for _ in range(600):
+            try:
+                assert send(0) == 400
+                break
+            except OSError:
+                time.sleep(0.2)
+        assert all(send(-i) == 400 for i in range(1, 4))  # the allocator's heap reaches its working size
+        before = rss()
+        assert all(send(i) == 400 for i in range(1, 31))
+        after = rss()
+        print(f"proxy RSS {before:.0f} MB before, {after:.0f} MB after 30 refused 2M-token prompts")
+        assert after - before < 50
+    finally:
+        proxy.kill()
+        replica.shutdown()

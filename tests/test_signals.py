@@ -1,5 +1,6 @@
 """Ctrl-C on the README's demo command, `(python generate.py & python train.py)`, stops the generator too: a background
-job of a non-interactive shell starts with SIGINT ignored, so generate.py restores the default handler itself.
+job of a non-interactive shell starts with SIGINT ignored, so generate.py restores the default handler itself. Both
+say so in one line, without a traceback.
 
     python -m pytest -q tests/test_signals.py        # about half a minute on a 2-core CPU
 """
@@ -48,6 +49,10 @@ def test_ctrl_c_on_the_demo_command_stops_the_background_generator_with_one_line
         out = read(gen_log)
         assert "Traceback" not in out, out[-3000:]
         assert out.rstrip().endswith("generate.py: interrupted; every group it finished is intact"), out[-3000:]
+        shell.wait(timeout=30)  # the trainer got the same SIGINT
+        out = read(tmp_path / "train.log")
+        assert "Traceback" not in out, out[-3000:]
+        assert out.rstrip().endswith("train.py: interrupted; run the same command to resume from the last checkpoint")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(shell.pid, signal.SIGKILL)

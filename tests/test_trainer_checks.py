@@ -15,60 +15,74 @@ from test_faults import publish_v0
 from test_train_step import sequences
 
 from minigrpo.engine import TorchEngine
-from minigrpo.lora import inject_lora, lora_layers
+from minigrpo.lora import inject_lora, lora_layers, lora_state_dict
 from minigrpo.model import load_model, stop_token_ids
 from minigrpo.rollouts import Group, Ledger, RolloutBuffer, check_group, read_group
 from minigrpo.run import RunSettings, create_run, parse_config
 from minigrpo.storage import Storage
 from minigrpo.tasks import ReverseAddition
-from train import TrainConfig, evaluate, policy_mismatches, train_step
+from train import TrainConfig, audit, evaluate, policy_tol, train_step
 
 
 def groups_of(samples, G, version):
-    return [Group(s[0].ids[:s[0].prompt_len], [], [], [], [], version, 1.0) for s in zip(*[iter(samples)] * G)]
+    return [Group(s[0].ids[:s[0].prompt_len], [x.ids[x.prompt_len:] for x in s], [x.behav for x in s], [0.0] * G,
+                  [False] * G, version, 1.0) for s in zip(*[iter(samples)] * G)]
 
 
-def test_only_groups_sampled_with_other_weights_than_they_name_are_flagged():
+def test_the_audit_catches_the_groups_not_sampled_with_the_weights_of_the_version_they_name():
     sampler, trainer = tiny_model(), tiny_model()
     for model in (sampler, trainer):
         inject_lora(model, 4, 8)
     with torch.no_grad():  # the sampler serves other weights under the trainer's version
         for layer in lora_layers(sampler).values():
             layer.lora_B.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
-    cfg, run = TrainConfig(), RunSettings(group_size=4)
-    own, other = sequences(trainer, n=8, G=4), sequences(sampler, n=8, G=4, seed=1)
-    samples = own + other  # groups 0-1 from the trainer's weights, 2-3 from the sampler's
-    optimizer = torch.optim.AdamW([p for p in trainer.parameters() if p.requires_grad], lr=0.0)
-    train_step(trainer, optimizer, samples, run, cfg, torch.device("cpu"))
-    groups = groups_of(samples, 4, version=3)
-    assert policy_mismatches(groups, samples, 3, 1, cfg.policy_check_tol) == groups[2:]
-    assert policy_mismatches(groups, samples, 4, 1, cfg.policy_check_tol) == [], "other versions are not judged"
-    assert policy_mismatches(groups, samples, 3, 1, 0.0) == [], "tol 0 turns it off"
-    assert max(s.gap / len(s.behav) for s in own) < 1e-4 < cfg.policy_check_tol
+    cfg, run, cpu = TrainConfig(), RunSettings(group_size=4), torch.device("cpu")
+    groups = groups_of(sequences(trainer, n=8, G=4) + sequences(sampler, n=8, G=4, seed=1), 4, version=3)
+    v3 = {k: v.clone() for k, v in lora_state_dict(trainer).items()}
+    with torch.no_grad():  # the trainer has moved on since v3: the audit must score with v3's weights, then restore
+        for layer in lora_layers(trainer).values():
+            layer.lora_B.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    now = {k: v.clone() for k, v in lora_state_dict(trainer).items()}
+    caught = audit(trainer, groups, {3: v3}.get, run, cfg, cpu)
+    assert [g for g, *_ in caught] == groups[2:] and all(gap > cfg.policy_check_tol for _, gap, _ in caught)
+    assert all(torch.equal(now[k], v) for k, v in lora_state_dict(trainer).items()), "the weights are restored"
+    assert audit(trainer, groups, {}.get, run, cfg, cpu) == [], "a version whose weights are gone is not judged"
+    assert audit(trainer, groups, {3: v3}.get, run, TrainConfig(policy_check_tol=0.0), cpu) == [], "0 turns it off"
 
 
-def test_a_sampler_that_served_other_weights_under_the_trainers_version_is_reported_loudly(tmp_path):
-    """Groups stamped v0 but sampled with a random adapter and without a digest (as real vLLM sends none): the
-    trainer, whose v0 is the base model, counts them and says so on the step line."""
-    other, mine = tmp_path / "other", tmp_path / "mine"
-    store = publish_v0(str(other))
+def test_the_audits_tolerance_grows_with_bf16_on_either_side():
+    tol = [policy_tol(TrainConfig(dtype=mine), RunSettings(generator_dtype=gen)) for gen, mine in
+           [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float16", "bfloat16")]]
+    assert tol == pytest.approx([0.01, 0.1, 0.3, 0.3])
+
+
+def test_a_sampler_that_served_other_weights_than_the_version_it_names_is_quarantined_before_the_gradient(tmp_path):
+    """16 groups stamped v0 but sampled with a random adapter and without a digest (as real vLLM sends none), then
+    16 honest ones: the trainer, whose v0 is the base model, quarantines the first 16, trains the others, says so."""
+    other, honest, mine = str(tmp_path / "other"), str(tmp_path / "honest"), str(tmp_path / "mine")
+    store = publish_v0(other)
     save_random_adapter(tmp_path / "random", r=8, alpha=16.0)
     shutil.copy(tmp_path / "random" / "adapter_model.safetensors", f"{store.url(0)}/adapter_model.safetensors")
-    subprocess.run([sys.executable, "generate.py", "--run_dir", str(other), "--max_batches", "2"], cwd=ROOT,
-                   check=True, capture_output=True, timeout=300)
-    storage = Storage(str(other))
-    groups = [read_group(storage.get(f"rollouts/{f}"), f.removesuffix(".safetensors")) for f in storage.list("rollouts")]
-    for g in groups:
-        g.adapter_digest = ""
-    RolloutBuffer(Storage(str(mine))).write(groups, "replica", 0)
-    out = subprocess.run([sys.executable, "train.py", "--run_dir", str(mine), "--max_steps", "1", "--groups_per_step",
+    publish_v0(honest)
+    for run_dir in (other, honest):
+        subprocess.run([sys.executable, "generate.py", "--run_dir", run_dir, "--max_batches", "2"], cwd=ROOT,
+                       check=True, capture_output=True, timeout=300)
+    run_id = publish_v0(mine).run_id
+    for seq, run_dir in ((0, other), (16, honest)):
+        storage = Storage(run_dir)
+        groups = [read_group(storage.get(f"rollouts/{f}"), f.removesuffix(".safetensors")) for f in storage.list("rollouts")]
+        for g in groups:
+            g.adapter_digest = ""
+        RolloutBuffer(Storage(mine), run_id).write(groups, "replica", seq)
+    out = subprocess.run([sys.executable, "train.py", "--run_dir", mine, "--max_steps", "1", "--groups_per_step",
                           "16", "--eval_every", "1000", "--eval_size", "8", "--loss_type", "grpo"],  # every group, zero std too
-                         cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "POLICY MISMATCH: 16 groups named v0" in out.stdout
-    record = train_records(str(mine))[0]
+    assert "POLICY MISMATCH: 16 groups quarantined, not sampled with the weights they name (v[0]" in out.stdout
+    record = train_records(mine)[0]
     assert record["sample/policy_mismatch"] == 16 and record["sample/policy_mismatch_total"] == 16
+    assert sorted(record["group_ids"]) == [f"replica-{i:06d}" for i in range(16, 32)], "only the honest ones trained"
+    assert len([f for f in Storage(mine).list("bad") if f.endswith(".reason.txt")]) == 16
 
 
 def test_a_dapo_run_with_nothing_to_learn_from_stops_with_a_clear_line(tmp_path):
@@ -83,7 +97,7 @@ def test_a_dapo_run_with_nothing_to_learn_from_stops_with_a_clear_line(tmp_path)
     storage.delete([f"rollouts/{f}" for f in storage.list("rollouts")])
     for g in groups:
         g.rewards = [0.0] * len(g.rewards)
-    RolloutBuffer(store.storage).write(groups, "flat", 0)
+    RolloutBuffer(store.storage, store.run_id).write(groups, "flat", 0)
     out = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", "1", "--groups_per_step",
                           "4", "--eval_every", "1000", "--eval_size", "8", "--wait_timeout_s", "3"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
@@ -118,7 +132,7 @@ def test_a_generator_that_grades_otherwise_than_the_run_refuses_to_start(tmp_pat
 
 def test_a_group_scored_by_another_grader_is_quarantined_by_name(tmp_path):
     storage, run = Storage(str(tmp_path / "run")), {"group_size": 2, "temperature": 1.0, "max_prompt_len": 8,
-                                                    "max_new_tokens": 4, "grader": "exact match"}
+                                                    "max_new_tokens": 4, "grader": "exact match", "run_id": ""}
     buffer, stats = RolloutBuffer(storage), {}
     group = Group([1, 2], [[3], [4]], [[-0.5], [-0.7]], [1.0, 0.0], [False, False], 0, 1.0, grader="math-verify 0.0")
     buffer.write([group, Group(**{**group.__dict__, "grader": "exact match"})], "g", seq=0)

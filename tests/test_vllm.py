@@ -308,47 +308,43 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(rep
     assert ids[0] != ids[1] and all(any(ids[1] in n for n in r.models()) for r in replicas)
 
 
-# ---- a replica that serves other weights under the expected name must be loud ----
-def test_a_replica_serving_other_weights_under_the_name_trips_the_policy_check(replicas, proxy, tmp_path):
-    """vLLM sends no digest, so the http engine cannot see it; the trainer compares the behaviour log-probs of groups
-    sampled at its own version with its own, and says POLICY MISMATCH. The replicas read the run through a view of
-    their own, where version 2's directory holds other weights and is loaded under version 2's name beforehand.
-    Lock-step, so every honest step also shows vLLM sampling exactly the trainer's policy: grpo, whose groups are never
-    dropped (dapo drops zero-std ones, and the batch that replaces them leaves groups for the next version)."""
+# ---- a replica that serves other weights under the expected name is caught before the gradient ----
+def test_replicas_serving_the_base_model_under_the_expected_names_are_caught_before_the_gradient(replicas, proxy,
+                                                                                                 tmp_path):
+    """vLLM sends no digest, so the http engine cannot see it; the trainer's audit scores every group under the
+    weights of the version it names before the gradient. The replicas read the run through a view of their own,
+    where every version's name leads to version 0's directory: the base model. That generator runs ahead beside an
+    honest torch one, so the run goes on; the liar's groups from version 1 on go to bad/, and no step trains them."""
     run_dir, view = str(tmp_path / "run"), tmp_path / "view"
     (view / "adapters").mkdir(parents=True)
-    train = subprocess.Popen([sys.executable, "train.py", "--run_dir", run_dir, "--model", MODEL, "--max_steps", "5",
+    train = subprocess.Popen([sys.executable, "train.py", "--run_dir", run_dir, "--model", MODEL, "--max_steps", "4",
                               "--groups_per_step", "8", "--loss_type", "grpo", "--eval_every", "100", "--eval_size",
                               "20"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    honest = None
     try:
         deadline = time.time() + 300
         while not Storage(run_dir).exists("run.json"):
             assert train.poll() is None and time.time() < deadline, train.stdout.read()
             time.sleep(0.2)
         rid = run_id(run_dir)
-        for v in range(6):  # the honest versions: links to the run's own directories (dangling until published)
-            name = f"policy-{rid}-v{v:06d}"
-            if v != 2:
-                os.symlink(f"{run_dir}/adapters/{name}", view / "adapters" / name)
-        poisoned = f"policy-{rid}-v000002"
-        random_adapter(view / "adapters" / poisoned, seed=5, scale=1.0)
-        assert load(proxy, poisoned, view / "adapters" / poisoned)[0] == 200  # before the generator asks for it
-        out = train_and_generate(run_dir, http_generator(proxy, "p0", "--replica_run_dir", str(view), "--lockstep"),
-                                 [], train=train)
+        for v in range(8):  # dangling until version 0 is published
+            os.symlink(f"{run_dir}/adapters/policy-{rid}-v000000", view / "adapters" / f"policy-{rid}-v{v:06d}")
+        honest = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--model", MODEL,
+                                   "--generator_id", "honest"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.STDOUT)
+        out = train_and_generate(run_dir, http_generator(proxy, "liar", "--replica_run_dir", str(view), "--max_ready",
+                                                         "32"), [], train=train)
     finally:
         train.kill()
-    steps = train_records(run_dir)
-    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
-    for r in steps:  # lock-step: each step trains groups sampled with the version it trains, in float32 on both sides
-        assert r["sample/staleness_max"] == 0, r
-        if r["step"] != 3:  # an honest version: vLLM sampled exactly the trainer's policy
-            assert all(abs(r[k] - 1) < 1e-3 for k in ("ratio/mean", "ratio/min", "ratio/max")), r
-    assert {r["policy_version"] for r in gen_records(run_dir, "p0")} >= {0, 1, 2, 3, 4}  # then perhaps 5, until DONE
-    mismatched = {r["step"]: r["sample/policy_mismatch"] for r in steps if r["sample/policy_mismatch"]}
-    # lock-step: step 3 trains the groups of version 2, the trainer's own weights then; the honest versions pass
-    assert list(mismatched) == [3] and steps[-1]["sample/policy_mismatch_total"] == mismatched[3]
-    lines = [line for line in out.splitlines() if "POLICY MISMATCH" in line]
-    assert len(lines) == 1 and lines[0].startswith("step 3/5") and " named v2 " in lines[0], out[-3000:]
+        if honest:
+            honest.kill()
+    steps, storage = train_records(run_dir), Storage(run_dir)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    reasons = [storage.get(f"bad/{n}").decode() for n in storage.list("bad") if n.endswith(".reason.txt")]
+    assert reasons and all(r.startswith("'liar-") and "PolicyMismatch" in r and "v0's" not in r for r in reasons), reasons
+    assert sum(r["sample/policy_mismatch"] for r in steps) == len(reasons) and "POLICY MISMATCH" in out, out[-3000:]
+    liar_versions = {r["policy_version"] for r in gen_records(run_dir, "liar")}
+    assert max(liar_versions) >= 1, liar_versions  # it sampled past version 0, where the lie begins
 
 
 # ---- minigrpo's server against real vLLM, request by request ----

@@ -1,0 +1,109 @@
+"""A bucket run against a local one: the demo (train.py + one generate.py, evaluations off but for the last) on a
+folder and on a real S3 server (moto's server mode, on loopback), in turns, --repeats times each.
+
+    python bench/bench_bucket.py --steps 50 --repeats 3                         # bench/results/bucket.json
+    python bench/bench_bucket.py --steps 50 --repeats 3 --baseline /tmp/old     # also an older checkout, side by side
+    python bench/bench_bucket.py --root /tmp/new ...                            # run another checkout (a snapshot)
+
+Reported per target: the wall time of the whole run, the mean step time over the first 10 steps and over the last
+20 (a bucket listing grows with the groups consumed since the last two checkpoints), and the mean rollout wait.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from common import report  # noqa: E402
+from conftest import free_port, train_records  # noqa: E402
+
+
+def start_moto() -> tuple[subprocess.Popen, dict]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(env["AWS_ENDPOINT_URL"], timeout=2)
+            break
+        except urllib.error.HTTPError:
+            break  # it answers
+        except OSError:
+            time.sleep(0.2)
+    return proc, env
+
+
+def demo(root: str, run_dir: str, steps: int, env: dict) -> dict:
+    """One demo run; returns its timings from the trainer's records."""
+    env = os.environ | env
+    gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir], cwd=root, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.time()
+        train = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", str(steps),
+                                "--eval_every", "100000", "--eval_size", "50"], cwd=root, env=env,
+                               capture_output=True, text=True, timeout=3600)
+        wall = time.time() - t0
+        assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+        gen.wait(timeout=300)
+    finally:
+        gen.kill()
+    os.environ.update(env)  # train_records reads the bucket through s3fs
+    records = train_records(run_dir)
+    step_s = [r["perf/step_s"] - r.get("perf/eval_s", 0.0) for r in records]
+    return {"wall_s": wall, "first10_step_s": statistics.mean(step_s[:10]),
+            "last20_step_s": statistics.mean(step_s[-20:]),
+            "wait_s": statistics.mean(r["perf/rollout_wait_s"] for r in records)}
+
+
+def summary(runs: list[dict]) -> dict:
+    out = {}
+    for k in runs[0]:
+        values = [r[k] for r in runs]
+        out[k] = f"{statistics.mean(values):.2f} ± {statistics.stdev(values) if len(values) > 1 else 0:.2f}"
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--root", default=str(ROOT), help="the checkout to run")
+    parser.add_argument("--baseline", default="", help="another checkout to run on the bucket too (before a change)")
+    parser.add_argument("--name", default="bucket")
+    args = parser.parse_args()
+    moto, env = start_moto()
+    import boto3
+    targets = {"local": (args.root, False), "s3": (args.root, True)}
+    if args.baseline:
+        targets["s3 baseline"] = (args.baseline, True)
+    runs = {k: [] for k in targets}
+    try:
+        for i in range(args.repeats):
+            for name, (root, bucket) in targets.items():  # in turns: machine noise hits every target alike
+                with tempfile.TemporaryDirectory() as tmp:
+                    if bucket:
+                        b = f"bench-{uuid.uuid4().hex[:8]}"
+                        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                                     aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=b)
+                        run_dir = f"s3://{b}/run"
+                    else:
+                        run_dir = os.path.join(tmp, "run")
+                    runs[name].append(demo(root, run_dir, args.steps, env if bucket else {}))
+                print(name, i, json.dumps(runs[name][-1]), flush=True)
+    finally:
+        moto.kill()
+    rows = [{"target": name, "steps": args.steps, "runs": len(r), **summary(r)} for name, r in runs.items()]
+    report(args.name, rows, notes=f"mean ± sd over {args.repeats} runs each, in turns; step_s excludes evaluation. "
+           f"Command: python bench/bench_bucket.py --steps {args.steps} --repeats {args.repeats}"
+           + (" --baseline DIR" if args.baseline else ""), extra={"runs": runs})

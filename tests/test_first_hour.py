@@ -1,0 +1,102 @@
+"""A new user's first hour: what the scripts say when a flag is wrong, a process waits, or the demo runs.
+
+    python -m pytest -q tests/test_first_hour.py        # about a minute on a 2-core CPU
+"""
+import os
+import subprocess
+import sys
+
+from conftest import train_records
+
+from minigrpo.rollouts import RolloutBuffer
+from minigrpo.storage import Storage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+def script(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def test_an_unknown_flag_is_one_line_and_exit_2(tmp_path):
+    for name in ("train.py", "generate.py"):
+        out = script(name, "--run_dir", str(tmp_path / "run"), "--Task", "math")
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert out.stderr.strip() == f"{name}: unrecognized arguments: --Task math (--help lists the flags)"
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_wrong_model_leaves_no_trace_and_the_corrected_command_runs(tmp_path):
+    run_dir = str(tmp_path / "run")
+    out = script("train.py", "--run_dir", run_dir, "--model", str(tmp_path / "no_such_model"), "--max_steps", "1")
+    assert out.returncode != 0
+    assert not os.path.exists(f"{run_dir}/run.json") and not os.path.exists(f"{run_dir}/owner.json"), os.listdir(run_dir)
+    gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir], cwd=ROOT, env=ENV,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        out = script("train.py", "--run_dir", run_dir, "--max_steps", "2", "--eval_every", "1000", "--eval_size", "8",
+                     "--groups_per_step", "4")
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert gen.wait(timeout=120) == 0
+    finally:
+        gen.kill()
+
+
+def test_a_trainer_alone_says_what_it_waits_for_before_it_gives_up(tmp_path):
+    out = script("train.py", "--run_dir", str(tmp_path / "run"), "--max_steps", "1", "--eval_size", "8",
+                 "--wait_timeout_s", "4")
+    waited = [line for line in out.stdout.splitlines() if line.startswith("waited ")]
+    assert len(waited) == 1 and "for a fresh group in" in waited[0] and "is generate.py running?" in waited[0], out.stdout
+    assert out.returncode == 1 and "no fresh group to learn from" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_generator_alone_says_at_once_that_it_waits_for_the_trainer(tmp_path):
+    gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", str(tmp_path / "run")], cwd=ROOT, env=ENV,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = gen.stdout.readline()  # blocks until its first line
+        assert line.startswith("waiting up to 600s for ") and line.rstrip().endswith("run.json: train.py creates it")
+    finally:
+        gen.kill()
+        gen.wait()
+
+
+def test_the_demo_prints_one_generator_line_per_adapter_version(tmp_path):
+    """The quiet terminal: every batch is in RUN/metrics/, but the console shows a generator's first batch of each
+    version only (it printed one line a batch, 12 for each step line)."""
+    run_dir = str(tmp_path / "run")
+    log = tmp_path / "generate.log"
+    with open(log, "w") as f:
+        gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "g0"], cwd=ROOT,
+                               env=ENV, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        out = script("train.py", "--run_dir", run_dir, "--max_steps", "6", "--eval_every", "1000", "--eval_size", "8")
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert gen.wait(timeout=120) == 0
+    finally:
+        gen.kill()
+    lines = [line for line in log.read_text().splitlines() if line.startswith("gen g0 batch")]
+    versions = [line.split(" | ")[1] for line in lines]
+    storage = Storage(run_dir)
+    batches = sum(1 for f in storage.list("metrics") if f.startswith("generate-g0")
+                  for _ in storage.get(f"metrics/{f}").decode().splitlines())
+    assert len(versions) == len(set(versions)) >= 2 and batches > len(lines), (lines, batches)
+    assert len(train_records(run_dir)) == 6
+
+
+def test_the_trainer_lists_a_bucket_only_when_what_it_knows_of_does_not_suffice(tmp_path):
+    """A listing is the costly request on a bucket: 1,000 names a page. With 12 groups waiting, taking them 4 at a
+    time lists rollouts/ once, not three times."""
+    from test_rundir import make_group
+
+    from minigrpo.rollouts import Ledger
+    storage, lists = Storage(str(tmp_path / "run")), []
+    buffer = RolloutBuffer(storage, "r1")
+    buffer.write([make_group() for _ in range(12)], "w", 0)
+    listed = storage.list
+    storage.list = lambda prefix: lists.append(prefix) or listed(prefix)
+    ledger = Ledger()
+    taken = [g.group_id for _ in range(3) for g in buffer.take(4, ledger)]
+    assert taken == [f"w-{i:06d}" for i in range(12)] and lists == ["rollouts"]
+    assert buffer.take(4, ledger) == [] and lists == ["rollouts", "rollouts"]  # nothing known waits: it looks again
