@@ -51,7 +51,7 @@ def to_tensors(group: Group) -> tuple[dict, dict]:  # completions right-padded t
     return tensors, {"format": FORMAT} | {k: str(getattr(group, k)) for k in META}
 
 
-def read_group(data: bytes, group_id: str) -> Group:  # to_tensors' inverse; any inconsistency is a ValueError that says what
+def read_group(data: bytes, group_id: str) -> Group:  # to_tensors inverted; a ValueError names any inconsistency
     tensors = load(data)  # safetensors: the header's length in 8 little-endian bytes, then the JSON header
     metadata = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
     if metadata.get("format") != FORMAT:
