@@ -21,7 +21,7 @@
 # Where $OUT is set (the device tool sets it), the whole output and every phase's log come back in it.
 #
 # The lent machine (python3 3.12 with torch 2.11, transformers 5.17, no math-verify; /work/.library/device/KINDS.md)
-# lacks requirements.txt's transformers (with 5.17, minigrpo's engine would decode from a fresh KV cache each step) and
+# lacks requirements.txt's transformers (the pinned one goes along, so the run measures what users install) and
 # math-verify, which minigrpo/tasks.py imports (the task here is the demo's reverse_add). The random model never says
 # EOS, so every completion runs to --max_new_tokens.
 set -uo pipefail  # no -e: a phase that fails prints its own log and says why (phase below), instead of a silent exit

