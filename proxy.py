@@ -1,6 +1,6 @@
 """proxy.py: one address in front of several inference replicas, so that they look like a single vLLM server.
 
-    python -m minigrpo.serve --port 8001 & python -m minigrpo.serve --port 8002 &      # or real `vllm serve`
+    python -m minigrpo.replica.serve --port 8001 & python -m minigrpo.replica.serve --port 8002 &      # or real `vllm serve`
     python proxy.py --upstream http://127.0.0.1:8001 --upstream http://127.0.0.1:8002 --port 8000 --api_key KEY
     python generate.py --engine http --url http://127.0.0.1:8000 --api_key KEY & python train.py
 

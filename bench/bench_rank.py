@@ -86,7 +86,7 @@ def run_one(rank: int, seed: int, args, out: str) -> dict:
     """train.py + generate.py on a fresh run directory until train.py is done; returns the run's summary."""
     from safetensors import safe_open
 
-    from minigrpo.plot import latest_per_step
+    from minigrpo.tools.plot import latest_per_step
     from minigrpo.run import read_records
     from minigrpo.storage import Storage
     run_dir = os.path.join(out, "run")

@@ -66,7 +66,7 @@ def measure(store_kind: str, ports: list[int], replicas: str = "minigrpo", model
     if replicas == "vllm":
         extra += [vllm_replica(p, resolve_model(model)) for p in ports[:2]]
     else:
-        extra += [subprocess.Popen([sys.executable, "-m", "minigrpo.serve", "--port", str(p), "--max_lora_rank", "16",
+        extra += [subprocess.Popen([sys.executable, "-m", "minigrpo.replica.serve", "--port", str(p), "--max_lora_rank", "16",
                                     "--model", model], cwd=ROOT, stdout=subprocess.DEVNULL) for p in ports[:2]]
     procs = extra
     procs.append(subprocess.Popen([sys.executable, "proxy.py", "--port", str(ports[2]), "--no_auth",

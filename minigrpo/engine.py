@@ -33,7 +33,7 @@ def per_row(rows, field: str, device, dtype=torch.float32) -> torch.Tensor:  # (
     return torch.tensor([getattr(sp, field) for _, sp, _ in rows], dtype=dtype, device=device)
 
 
-class Sampler:  # one batch's rules over rows (prompt, params, sample index); serve_sampling.py's subclass extends them
+class Sampler:  # one batch's rules over rows (prompt, params, sample index); replica/sampling.py's subclass extends them
 
     def __init__(self, rows, eos: list[int], device):
         t = per_row(rows, "temperature", device)[:, None]  # (B, 1) 0: greedy, no noise

@@ -1,5 +1,5 @@
 """Loading a causal LM and its tokenizer, and the token log-probabilities the loss is computed from. `--model demo` is
-the tiny model in minigrpo/demo_model (minigrpo/demo.py); any other name is a local folder or a Hugging Face repo id."""
+the tiny model in minigrpo/demo_model (minigrpo/tools/demo.py); any other name is a local folder or a Hugging Face repo id."""
 import os
 
 import torch

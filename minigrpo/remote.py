@@ -1,4 +1,4 @@
-"""HttpEngine: TorchEngine's interface (load_adapter, generate) on `vllm serve`, `python -m minigrpo.serve` or proxy.py.
+"""HttpEngine: TorchEngine's interface (load_adapter, generate) on `vllm serve`, `python -m minigrpo.replica.serve` or proxy.py.
 A version is loaded under its directory's (never reused) name and requested as model = that name, then unloaded once it
 leaves the staleness window."""
 import asyncio

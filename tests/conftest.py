@@ -111,7 +111,7 @@ def save_random_adapter(path, r=2, alpha=4.0, seed=0, targets=None, use_rslora=F
 # ---- run directories ----
 def train_records(run_dir: str) -> list[dict]:
     """The trainer's step records that stand (a step redone after a crash: its last record), steps 1.."""
-    from minigrpo.plot import latest_per_step
+    from minigrpo.tools.plot import latest_per_step
     from minigrpo.run import read_records
     from minigrpo.storage import Storage
     by_step = latest_per_step(read_records(Storage(run_dir), "train"))
@@ -119,7 +119,7 @@ def train_records(run_dir: str) -> list[dict]:
 
 
 def eval_records(run_dir: str) -> list[dict]:
-    from minigrpo.plot import latest_per_step
+    from minigrpo.tools.plot import latest_per_step
     from minigrpo.run import read_records
     from minigrpo.storage import Storage
     by_step = latest_per_step(read_records(Storage(run_dir), "train"))

@@ -24,7 +24,7 @@ MSG = [{"role": "user", "content": "12+34="}]
 @pytest.fixture(scope="module")
 def server():
     port = free_port()
-    proc = start(["-m", "minigrpo.serve", "--port", str(port), "--max_body_mb", "1", "--header_timeout_s", "1",
+    proc = start(["-m", "minigrpo.replica.serve", "--port", str(port), "--max_body_mb", "1", "--header_timeout_s", "1",
                   "--body_timeout_s", "1", "--max_batch_rows", "32"], port)
     yield f"http://127.0.0.1:{port}"
     proc.kill()
@@ -202,8 +202,8 @@ def test_a_large_request_does_not_starve_a_small_one(server):
 def test_a_failing_batch_is_retried_one_request_at_a_time():
     """In-process: the scheduler and the engine, with a request no route would let through (a token id the
     embedding does not have): only that request gets the error."""
-    from minigrpo.serve import Server, ServeConfig
-    from minigrpo.serve_sampling import ServerParams
+    from minigrpo.replica.serve import Server, ServeConfig
+    from minigrpo.replica.sampling import ServerParams
     server = Server(ServeConfig())
 
     async def batch():

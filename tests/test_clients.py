@@ -18,7 +18,7 @@ MESSAGES = [{"role": "user", "content": "12+34="}]
 @pytest.fixture(scope="module")
 def proxy(tmp_path_factory):
     replica, port = free_port(), free_port()
-    procs = [start(["-m", "minigrpo.serve", "--port", str(replica)], replica),
+    procs = [start(["-m", "minigrpo.replica.serve", "--port", str(replica)], replica),
              start(["proxy.py", "--upstream", f"http://127.0.0.1:{replica}", "--port", str(port), "--no_auth"], port)]
     yield f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("adapters")
     for p in procs:
@@ -73,7 +73,7 @@ def test_chat_without_a_template_is_a_400_as_in_vllm(tmp_path):
     del config["chat_template"]
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     port = free_port()
-    proc = start(["-m", "minigrpo.serve", "--model", str(model), "--port", str(port)], port)
+    proc = start(["-m", "minigrpo.replica.serve", "--model", str(model), "--port", str(port)], port)
     try:
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0) as c:
             with pytest.raises(openai.BadRequestError, match="default chat template is no longer allowed"):

@@ -9,7 +9,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from minigrpo.demo import CHARS, build_tokenizer
+from minigrpo.tools.demo import CHARS, build_tokenizer
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.model import DEMO_MODEL, load_model, stop_token_ids
 from minigrpo.run import RunSettings

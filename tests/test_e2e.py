@@ -111,7 +111,7 @@ def test_trainer_two_replicas_proxy_and_http_generator_learn_together(tmp_path):
     from conftest import call, free_port, start
     run_dir, ports = str(tmp_path / "run"), [free_port() for _ in range(3)]
     replicas = [f"http://127.0.0.1:{p}" for p in ports[:2]]
-    procs = [start(["-m", "minigrpo.serve", "--port", str(p), "--lora_root", str(tmp_path)], p, wait=False) for p in ports[:2]]
+    procs = [start(["-m", "minigrpo.replica.serve", "--port", str(p), "--lora_root", str(tmp_path)], p, wait=False) for p in ports[:2]]
     procs.append(start(["proxy.py", "--upstream", replicas[0], "--upstream", replicas[1], "--port", str(ports[2]),
                         "--api_key", "k"], ports[2]))
     proxy = f"http://127.0.0.1:{ports[2]}"
@@ -153,7 +153,7 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(tmp
     from minigrpo.rollouts import read_group
     ports = [free_port() for _ in range(3)]
     replicas = [f"http://127.0.0.1:{p}" for p in ports[:2]]
-    procs = [start(["-m", "minigrpo.serve", "--port", str(p)], p, wait=False) for p in ports[:2]]
+    procs = [start(["-m", "minigrpo.replica.serve", "--port", str(p)], p, wait=False) for p in ports[:2]]
     procs.append(start(["proxy.py", "--upstream", replicas[0], "--upstream", replicas[1], "--port", str(ports[2]),
                         "--no_auth"], ports[2]))
     model, _ = load_model("demo", torch.device("cpu"))

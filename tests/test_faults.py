@@ -349,7 +349,7 @@ def random_request(rng: random.Random):
 
 def test_random_requests_get_an_answer_and_everything_stays_healthy(tmp_path):
     ports = [free_port(), free_port()]
-    server = start(["-m", "minigrpo.serve", "--port", str(ports[0]), "--lora_root", str(tmp_path)], ports[0])
+    server = start(["-m", "minigrpo.replica.serve", "--port", str(ports[0]), "--lora_root", str(tmp_path)], ports[0])
     proxy = start(["proxy.py", "--upstream", f"http://127.0.0.1:{ports[0]}", "--port", str(ports[1]), "--no_auth"], ports[1])
     rng, statuses = random.Random(7), []
     try:

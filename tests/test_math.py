@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from minigrpo.demo import build_tokenizer
+from minigrpo.tools.demo import build_tokenizer
 from minigrpo.run import RunSettings, parse_config
 from minigrpo.tasks import answer_of, last_boxed, make_task, math_reward, prompt_ids
 

@@ -7,7 +7,7 @@ import os
 
 from conftest import train_records
 
-from minigrpo.plot import plot_run
+from minigrpo.tools.plot import plot_run
 
 
 def write_run(run_dir):

@@ -25,7 +25,7 @@ PROMPT = [2, 3, 11, 4, 5, 12]
 def fleet(tmp_path_factory):
     """Replica A (max_lora_rank 16), replica B (max_lora_rank 8), a proxy over both, a proxy over A and a dead port."""
     ports = [free_port() for _ in range(4)]
-    procs = [start(["-m", "minigrpo.serve", "--port", str(ports[i]), "--api_key", UPSTREAM, "--max_lora_rank", rank], ports[i], wait=False)
+    procs = [start(["-m", "minigrpo.replica.serve", "--port", str(ports[i]), "--api_key", UPSTREAM, "--max_lora_rank", rank], ports[i], wait=False)
              for i, rank in ((0, "16"), (1, "8"))]
     replicas = [f"http://127.0.0.1:{p}" for p in ports[:2]]
     dead = f"http://127.0.0.1:{free_port()}"

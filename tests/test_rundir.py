@@ -23,7 +23,7 @@ from minigrpo.rollouts import (AttributionError, Group, Ledger, RolloutBuffer, c
                                to_tensors)
 from minigrpo.run import (Lease, Metrics, RunSettings, create_run, join_run, lease_view, parse_config,
                           read_records)
-from minigrpo.plot import latest_per_step
+from minigrpo.tools.plot import latest_per_step
 from minigrpo.storage import Storage
 
 RUN = {"group_size": 4, "temperature": 1.0, "max_prompt_len": 8, "max_new_tokens": 3, "run_id": "r1"}

@@ -1,4 +1,4 @@
-"""vLLM's sampling parameters in the replica server's engine (minigrpo/serve_sampling.py), each against a plain-Python reference with a fixed seed: the
+"""vLLM's sampling parameters in the replica server's engine (minigrpo/replica/sampling.py), each against a plain-Python reference with a fixed seed: the
 log-prob reported for every sampled token is the one the reference gives after all processors.
 
     python -m pytest -q tests/test_sampling.py
@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from minigrpo.serve_sampling import ServerEngine, ServerParams as SP
+from minigrpo.replica.sampling import ServerEngine, ServerParams as SP
 
 PROMPTS = [[5, 6, 7, 8, 9, 5], [10, 11]]
 EOS = 1

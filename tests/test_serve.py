@@ -22,7 +22,7 @@ PROMPT = [2, 3, 11, 4, 5, 12]  # "12+34=" in the demo tokenizer
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = free_port()
-    proc = start(["-m", "minigrpo.serve", "--port", str(port), "--api_key", KEY, "--max_lora_rank", "16", "--seed", "0",
+    proc = start(["-m", "minigrpo.replica.serve", "--port", str(port), "--api_key", KEY, "--max_lora_rank", "16", "--seed", "0",
                   "--max_cpu_loras", "2"], port)
     yield f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("adapters"), proc.pid
     proc.kill()

@@ -65,5 +65,5 @@ def test_the_core_reaches_the_package_through_imports_and_never_the_replica_serv
     core, side = tiers()
     names = {os.path.relpath(p, ROOT) for p in core}
     assert {"train.py", "generate.py", "proxy.py", "minigrpo/engine.py", "minigrpo/lora.py"} <= names
-    assert {"minigrpo/serve.py", "minigrpo/serve_sampling.py", "minigrpo/serve_scheduler.py"} <= {
+    assert {"minigrpo/replica/serve.py", "minigrpo/replica/sampling.py", "minigrpo/replica/scheduler.py"} <= {
         os.path.relpath(p, ROOT) for p in side}

@@ -1,7 +1,7 @@
 """A vLLM-compatible HTTP server over the torch engine: a CPU (or one-GPU) stand-in for `vllm serve`.
 
-    python -m minigrpo.serve --port 8001                                   # the built-in demo model
-    python -m minigrpo.serve --model Qwen/Qwen2.5-0.5B --device cuda --port 8001 --api_key KEY
+    python -m minigrpo.replica.serve --port 8001                                   # the built-in demo model
+    python -m minigrpo.replica.serve --model Qwen/Qwen2.5-0.5B --device cuda --port 8001 --api_key KEY
 
 It answers like `vllm serve --enable-lora --logprobs-mode processed_logprobs` with VLLM_SERVER_DEV_MODE=1 and
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (README, "Many replicas", lists what a client gets). A field vLLM would
@@ -22,8 +22,8 @@ from transformers import HfArgumentParser
 from minigrpo import protocol as P
 from minigrpo.lora import DEFAULT_TARGETS, inject_lora
 from minigrpo.model import load_model, pick_device, stop_token_ids
-from minigrpo.serve_sampling import ServerEngine, ServerParams
-from minigrpo.serve_scheduler import Adapter, Scheduler
+from minigrpo.replica.sampling import ServerEngine, ServerParams
+from minigrpo.replica.scheduler import Adapter, Scheduler
 
 VERSION = "0.33.0+minigrpo"  # the vLLM API this server answers like
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for --max-lora-rank
@@ -348,7 +348,7 @@ def main():
         task = asyncio.create_task(server.scheduler.run())
         yield
         task.cancel()
-    P.run(cfg, server.routes(), worker, f"minigrpo.serve: {server.name}")
+    P.run(cfg, server.routes(), worker, f"minigrpo.replica.serve: {server.name}")
 
 
 if __name__ == "__main__":

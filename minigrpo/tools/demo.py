@@ -1,7 +1,7 @@
 """Build the tiny built-in demo model: a Qwen2-architecture causal LM with its own character tokenizer, trained with
 plain supervised learning on reverse_add until it is right only part of the time, so GRPO has room to improve it.
 
-    python -m minigrpo.demo                      # rewrites minigrpo/demo_model/ (about 1-2 minutes on a laptop CPU)
+    python -m minigrpo.tools.demo                      # rewrites minigrpo/demo_model/ (about 1-2 minutes on a laptop CPU)
 
 Its heads are 32 wide (hidden 128 / 4 heads), a size vLLM's CPU and GPU attention take, so real vLLM serves it. Its
 output head, which LoRA leaves frozen, is its own and starts at 4x the usual scale: README, "Remaking the demo model".

@@ -10,7 +10,7 @@ import asyncio
 import collections
 import threading
 
-from minigrpo.serve_sampling import Choice, ServerParams
+from minigrpo.replica.sampling import Choice, ServerParams
 from minigrpo.lora import apply_adapter, check_adapter, check_config, read_adapter
 
 

@@ -1,6 +1,6 @@
 """A picture of a run: the dashboard to read when a run learns slowly or one side waits on the other.
 
-    python -m minigrpo.plot runs/demo                  # writes ./dashboard.png (RUN may be a URL too)
+    python -m minigrpo.tools.plot runs/demo                  # writes ./dashboard.png (RUN may be a URL too)
 """
 import argparse
 
