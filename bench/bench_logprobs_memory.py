@@ -18,7 +18,7 @@ Each setting writes bench/results/logprobs_memory_<tokens>_<dtype>.json.
 and counts the bytes of tensor storage alive after each operation (LiveBytes), so bf16 is measured where this
 CPU cannot run it. It sees no allocator overhead, no temporaries inside an operation and no storage that an
 `out=` operation grows (the step writes only into slices of the right size): in float32, where both
-methods run, it reads 0.3 GB below the operating system's peak in both arms (README, Performance).
+methods run, it reads 0.3 GB below the operating system's peak in both arms (bench/README.md, Performance).
 """
 import json
 import statistics
