@@ -39,11 +39,10 @@ class AdapterStore:
         """A version's files under the first unclaimed name from `version` on, weights last; returns that version."""
         files = adapter_files(state, config)
         while True:
-            try:
+            with contextlib.suppress(FileExistsError):
                 self.storage.put(f"adapters/{self.name(version)}/adapter_config.json", files["adapter_config.json"], create=True)
                 break
-            except FileExistsError:
-                version += 1
+            version += 1
         self.storage.put(f"adapters/{self.name(version)}/adapter_model.safetensors", files["adapter_model.safetensors"])
         self.kept[version] = load(files["adapter_model.safetensors"]), adapter_digest(files["adapter_model.safetensors"])
         return version

@@ -11,8 +11,7 @@ and the per-token losses l are summed over valid tokens and divided by a normali
     dr_grpo  sum_it l_it / (B * max_new_tokens)  a constant, so no length bias          (Dr. GRPO)
 B and sum_i |o_i| are those of the whole optimizer batch, given as Batch.num_seqs / num_tokens when micro-batching.
 
-Health of the off-policy data, from the trainer's log-probs against the sampler's (mu) on the sampled tokens,
-with v = pi_theta / mu (slime and prime-rl report the same signals):
+Off-policy health over the sampled tokens, v = pi_theta / mu (mu: the sampler; slime and prime-rl report the same):
     health/ess_frac         (sum v)^2 / (N sum v^2)   effective sample size over the N tokens: 1 when v is constant
     health/mismatch_kl      mean((v - 1) - log v)     k3 estimate of KL(mu || pi_theta): 0 when they agree
     health/far_frac         share of |log v| > ln 2   tokens whose probability differs by more than 2x"""

@@ -83,8 +83,7 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]):
 
 
 def check_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int):
-    """Raise ValueError unless every tensor belongs to a LoRA layer of the model, has the shape of rank r <= the
-    layer's, and is finite. Nothing is written: a refused adapter leaves the served weights as they were."""
+    """Read-only: ValueError unless each tensor belongs to a LoRA layer, fits rank r <= the layer's, and is finite."""
     layers = lora_layers(model)
     if unknown := sorted(state.keys() - lora_state_dict(model).keys()):
         targets = sorted({n.rsplit(".", 1)[-1] for n in layers})
@@ -146,11 +145,10 @@ def check_config(config: dict) -> tuple[int, float]:
 
 
 def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor], str]:
-    """(config, tensors, digest) of a PEFT adapter directory (a local path or a storage URL), with errors that name
-    it: FileNotFoundError without adapter_config.json, ValueError for anything else wrong with it."""
+    """(config, tensors, digest) of a PEFT adapter directory (a path or a URL), or a ValueError naming the fault."""
     path = path.rstrip("/")
     try:
-        config = json.loads(read_bytes(f"{path}/adapter_config.json"))  # a FileNotFoundError names the file itself
+        config = json.loads(read_bytes(f"{path}/adapter_config.json"))  # absent: a FileNotFoundError naming the file
     except ValueError as e:
         raise ValueError(f"{path}/adapter_config.json is not valid JSON: {e}") from None
     if not isinstance(config, dict):

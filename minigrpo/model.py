@@ -12,10 +12,9 @@ DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_mode
 
 
 def packed_attention(module, query, key, value, attention_mask, packed_plan=None, **kwargs):
-    """transformers' SDPA attention, except on a packed row with its plan (plan_packed_row): each sequence attends
-    causally to itself alone, the k runs of one length L in one SDPA call (no N x N block-diagonal mask). A run whose
-    positions restart at q > 0 is a branch: it attends to its sequence's first q tokens, then causally to itself, so
-    the G completions of a prompt share one copy of it exactly (packing.collate)."""
+    """transformers' SDPA, but a packed row with a plan (plan_packed_row) runs per sequence, each causal on itself, the
+    k runs of one length L in one SDPA call (no N x N mask). A run whose positions restart at q > 0 is a branch: it sees
+    its sequence's first q tokens, then itself causally, so a prompt's G completions share one copy of it exactly."""
     if packed_plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows = lambda x, i: x[0][:, i].transpose(0, 1)  # noqa: E731 (heads, N, d) -> (k, heads, len, d)
@@ -140,9 +139,8 @@ def output_head(model) -> torch.nn.Linear:
     return head
 
 
-def packed_logprobs(model, ids, pos, where, targets, temperature: float):
-    """log pi(y_t | y_<t) (logits / temperature, float32, with gradient) and the entropy, (B, T) each, 0 past the end,
-    of a row packed by packing.collate: where (B, T) is the row predicting each token, targets (B, T) that token."""
+def packed_logprobs(model, ids, pos, where, targets, temperature: float):  # ids..targets: a row from packing.collate
+    """log pi(y_t | y_<t) (logits / temperature, float32, with gradient) and entropy, (B, T) each, 0 past the end."""
     if model.config._attn_implementation != PACKED_SDPA:
         raise ValueError(f"packed rows need attn_implementation={PACKED_SDPA!r} (load_model sets it), the model has "
                          f"{model.config._attn_implementation!r}")

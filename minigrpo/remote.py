@@ -1,6 +1,5 @@
-"""HttpEngine: TorchEngine's interface (load_adapter, generate) on `vllm serve`, `python -m minigrpo.replica.serve` or proxy.py.
-A version is loaded under its directory's (never reused) name and requested as model = that name, then unloaded once it
-leaves the staleness window."""
+"""HttpEngine: TorchEngine's interface on `vllm serve`, minigrpo.replica.serve or proxy.py. A version is loaded under
+its directory's (never reused) name, requested as model = that name, unloaded once it leaves the staleness window."""
 import asyncio
 import atexit
 import itertools

@@ -121,10 +121,9 @@ class RolloutBuffer:
         return [n.removesuffix(".safetensors") for n in self.storage.list("rollouts") if n.endswith(".safetensors")]
 
     def take(self, n: int, ledger: Ledger, validate=lambda group: None, stats=None) -> list[Group]:
-        """Up to n of the oldest groups the ledger has not seen, recorded in it; one that fails is quarantined.
-        rollouts/ is listed only when fewer than n are known to wait: on a bucket a listing is the costly request."""
+        """Up to n of the oldest groups the ledger has not seen, recorded in it; one that fails is quarantined."""
         stats, seen = {} if stats is None else stats, {}
-        if len(self.order) < n:
+        if len(self.order) < n:  # list only if fewer than n are known to wait: a listing is a bucket's costly request
             for gid in (listed := self.listed()):
                 seen[writer] = max(sequence_number(gid)[0], seen.get(writer := gid.rsplit("-", 1)[0], -1))
             self.active |= {w: time.monotonic() for w, s in seen.items() if s > self.seen.get(w, -1)}
@@ -153,8 +152,7 @@ class RolloutBuffer:
         return groups
 
     def progress(self, window_s: float) -> dict:
-        """For backpressure: what waited at the last listing, each writer's last group in it, and how many writers
-        wrote a new group within window_s (on this process's clock)."""
+        """Backpressure: groups waiting and each writer's last group at the last listing, writers active in window_s."""
         now = time.monotonic()
         return {"waiting": len(self.order), "seen": self.seen, "writers": sum(now - t < window_s for t in self.active.values())}
 

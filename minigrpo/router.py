@@ -1,12 +1,11 @@
 """KV-prefix affinity routing: send a prompt to the replica that most likely holds its prefix in the KV cache.
 
-GRPO sends each prompt G times; the first request goes wherever there is room and the other G - 1 should follow.
-As in vLLM's prefix cache (not its exact hashes), a prompt is cut into 16-token blocks hashed as a chain seeded
-with the model (adapter) name; the last block may be partial. A replica owns the blocks sent to it (a bounded LRU
-table). The template every prompt starts with is found from the data: blocks every replica owns, or that two
-different blocks follow. The longest prefix past it wins while its replica is at most `imbalance` requests ahead
-of the least loaded; otherwise the least loaded gets the request (round-robin on ties). Only a prompt's first
-max_prompt_blocks blocks (4,096 tokens) count: memory is bounded by max_blocks entries (about 0.6 KB each), not prompts."""
+GRPO sends each prompt G times: the first goes where there is room, the other G - 1 should follow. As in vLLM's prefix
+cache (not its exact hashes), a prompt is cut into 16-token blocks hashed in a chain from the model (adapter) name. A
+replica owns the blocks sent to it (a bounded LRU table). The template prompts start with comes from the data: blocks
+every replica owns, or that two different blocks follow. The longest prefix past it wins while its replica is at most
+`imbalance` requests ahead of the least loaded, else the least loaded does (round-robin on ties). Only a prompt's first
+max_prompt_blocks blocks (4,096 tokens) count; memory is bounded by max_blocks entries (~0.6 KB each), not prompts."""
 import array
 import collections
 import hashlib
@@ -23,12 +22,11 @@ class PrefixRouter:
         self.turns = itertools.count()  # round-robin among equally loaded replicas
 
     def choose(self, model: str, prompt, inflight: list[int]) -> tuple[int, str]:
-        """(replica index, "affinity" | "spilled" | "unmatched"), and remember where the prompt went. Token ids are
-        hashed as 8 bytes each; anything else (text, chat messages, huge ids) as JSON text, about 4 bytes a token."""
+        """(replica index, "affinity" | "spilled" | "unmatched"), and remember where the prompt went."""
         try:
-            data, size = array.array("q", prompt).tobytes(), 8
+            data, size = array.array("q", prompt).tobytes(), 8  # token ids: 8 bytes each
         except (OverflowError, TypeError):
-            data, size = json.dumps(prompt).encode(), 4
+            data, size = json.dumps(prompt).encode(), 4  # text, chat messages, huge ids: JSON, about 4 bytes a token
         hashes = chain(model, data[:size * self.block_size * self.max_prompt_blocks], size * self.block_size)
         matched, owners_so_far, common, fanout = [0] * self.n, set(range(self.n)), 0, 0
         for depth, h in enumerate(hashes, 1):

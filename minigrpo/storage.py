@@ -41,15 +41,14 @@ class Storage:
                                                  f"{type(e).__name__}: {e}") from e
 
     def put(self, key: str, data: bytes | str, create: bool = False):
-        """Write one whole object; readers see the old one or the new one, never half. create: only if it is absent,
-        else FileExistsError (S3 If-None-Match, a hard link on a local disk, elsewhere a look first)."""
+        """Write an object whole (readers see old or new, never half); create: only if absent, else FileExistsError."""
         self.put_many({key: data}, create)
 
     def put_many(self, objects: "dict[str, bytes | str]", create: bool = False):  # concurrently on a bucket
         objects = {k: d.encode(errors="surrogateescape") if isinstance(d, str) else d for k, d in objects.items()}
         if not self.local:
             with self._naming("write", next(iter(objects), "")):
-                if create:  # If-None-Match on S3
+                if create:  # If-None-Match on S3, elsewhere a look first (a hard link on a local disk, below)
                     with ThreadPoolExecutor(16) as pool:
                         return list(pool.map(lambda k: self.fs.pipe_file(f"{self.root}/{k}", objects[k], mode="create"), objects))
                 return self.fs.pipe({f"{self.root}/{k}": v for k, v in objects.items()})
@@ -86,21 +85,19 @@ class Storage:
         return [read.exception() or read.result() for read in reads]
 
     def versioned(self, key: str) -> tuple[bytes | None, str | None]:  # the token: S3's ETag, elsewhere the bytes' sha256
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if not self.s3:
                 data = self.get(key)
                 return data, hashlib.sha256(data).hexdigest()
             with self._naming("read", key):  # the ETag first: bytes newer than it only make a swap fail
                 token = self.fs.info(f"{self.root}/{key}")["ETag"]
                 return self.fs.cat_file(f"{self.root}/{key}"), token
-        except FileNotFoundError:
-            return None, None
+        return None, None
 
     def swap(self, key: str, data: bytes | str, token: str | None) -> str:
-        """Replace an object only if it is still version `token` (None: absent); returns the new token, or raises
-        FileExistsError. S3: If-Match / If-None-Match; a local disk: look and write under the run's lock."""
+        """Replace an object if still version `token` (None: absent); returns the new token, else FileExistsError."""
         data = data.encode() if isinstance(data, str) else data
-        if self.s3:
+        if self.s3:  # If-Match, or If-None-Match for an absent one; a local disk looks and writes under the run's lock
             with self._naming("write", key):
                 try:
                     return self.fs.pipe_file(f"{self.root}/{key}", data, **{"IfMatch": token} if token else {"mode": "create"})["ETag"]
@@ -142,17 +139,16 @@ class Storage:
         return sorted(n for n in names if not (self.local and n.startswith(".")))
 
     def delete(self, key: "str | list[str]", recursive: bool = False):
-        """Delete objects, or with recursive everything under a prefix (on a local disk whatever the entry is: a
-        directory goes whole, a link goes, not its target); what is gone is fine."""
+        """Delete objects, or with recursive everything under a prefix; what is gone is fine."""
         keys = [key] if isinstance(key, str) else key
         for batch in [[k] for k in keys] if self.local else [keys] if keys else []:
             with self._naming("delete", batch[0]), contextlib.suppress(FileNotFoundError):
                 if not self.local:
                     self.fs.rm([f"{self.root}/{k}" for k in batch], recursive=recursive)
                 elif stat.S_ISDIR(os.lstat(path := f"{self.root}/{batch[0]}").st_mode):
-                    shutil.rmtree(path)
+                    shutil.rmtree(path)  # on a local disk a directory goes whole, recursive or not
                 else:
-                    os.remove(path)
+                    os.remove(path)  # any other entry: a link goes, not its target (lstat above)
 
 
 def read_bytes(path: str) -> bytes:  # one whole file from a local path or URL a user points at (an adapter), links followed
