@@ -281,7 +281,7 @@ def main():
     # the ranks of one job share rank 0's lease; a lock-step generator reads groups_per_step from it
     lease = Lease(storage, cfg.lease_timeout_s, groups_per_step=cfg.groups_per_step) if rank == 0 else None
     if lease and (old := lease.acquire()):
-        print(f"took over from trainer {old['owner'] or '?'} (host {old['host']}, epoch {old['epoch']})", flush=True)
+        print(f"continuing after trainer {old['owner'] or '?'} (host {old['host']}, epoch {old['epoch']}), now gone", flush=True)
     meta = create_run(storage, run, task.grader) if rank == 0 else None
     buffer, eval_problems = RolloutBuffer(storage, meta and meta["run_id"]), task.eval_problems(cfg.eval_size)
     peft_config = adapter_config(run.lora_r, run.lora_alpha, run.lora_targets, resolve_model(run.model))
@@ -385,6 +385,6 @@ if __name__ == "__main__":
         main()
     except OSError as e:  # a full disk, a refused bucket, a vanished mount: one line, keep what is written
         raise SystemExit(f"train.py: {e}\nNothing complete was overwritten (every object appears whole or not at "
-                         f"all); fix the problem and run the same command to resume.")
+                         f"all); fix the problem and run the same command again.")
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback
         raise SystemExit("train.py: interrupted; run the same command to resume from the last checkpoint") from None

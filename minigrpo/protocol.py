@@ -5,8 +5,10 @@ the auth rule and its 401 {"error": "Unauthorized"} (vllm/entrypoints/serve/midd
 already been loaded" (vllm/entrypoints/openai/models/serving.py) and "No adapter found" (vllm/exceptions.py)."""
 import asyncio
 import contextlib
+import errno
 import hmac
 import json
+import os
 import resource
 from dataclasses import asdict, dataclass, field
 
@@ -96,7 +98,12 @@ def run(cfg: ServerConfig, routes: list, context, banner: str):
     app.add_routes(routes)
     app.cleanup_ctx.append(context)
     shown = {k: "***" if v and k in ("api_key", "upstream_token") else v for k, v in asdict(cfg).items()}
-    print(f"{banner} on http://{cfg.host}:{cfg.port}\n  {shown}", flush=True)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))
-    web.run_app(app, host=cfg.host, port=cfg.port, print=None, keepalive_timeout=cfg.header_timeout_s)
+    try:  # the banner once the port is bound; a port in use is one line
+        web.run_app(app, host=cfg.host, port=cfg.port, keepalive_timeout=cfg.header_timeout_s,
+                    print=lambda _: print(f"{banner} on http://{cfg.host}:{cfg.port}\n  {shown}", flush=True))
+    except OSError as e:
+        if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            raise
+        raise SystemExit(f"{banner}: cannot listen on {cfg.host}:{cfg.port} ({os.strerror(e.errno)}): pick another --port") from None

@@ -215,7 +215,10 @@ def tracker(report_to: str, project: str, name: str, config: dict):
     except ImportError:
         raise SystemExit(f"--report_to {report_to}: not installed; pip install -r requirements-trackers.txt") from None
     wandb = {"id": name} if report_to == "wandb" else {}  # wandb continues a run by its id
-    run = module.init(project=project, name=name, config=config, resume="allow", **wandb)
+    try:
+        run = module.init(project=project, name=name, config=config, resume="allow", **wandb)
+    except Exception as e:  # not logged in, a project it may not write: the tracker's own words, in one line
+        raise SystemExit(f"--report_to {report_to}: {type(e).__name__}: {e}".splitlines()[0]) from None
 
     def send(numbers: dict, step: int):  # out of this process before it returns: a kill cannot lose it here
         if wandb:

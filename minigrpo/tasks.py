@@ -4,6 +4,7 @@ learns it). math: --task_data's problems; the reward is 1 when the last \\boxed{
 that rarely boxes, the last number or "Answer:" line) after a reasoning model's one </think> equals the reference as
 math-verify judges it: spacing, \\left/\\right, \\dfrac, \\text{}, degrees, 1,000, 1/2 = 0.5, (x+1)^2 = x^2+2x+1."""
 import collections
+import contextlib
 import importlib.metadata
 import json
 import random
@@ -68,6 +69,13 @@ def math_reward(completion: str, answer: str, reasoning: bool = False, answer_fo
     return float(math_verify.verify(gold, said, timeout_seconds=5))  # timeouts bound a pathological answer
 
 
+def json_line(path: str, i: int, line: bytes) -> dict:  # one row of a JSON Lines file, or one line naming the bad one
+    with contextlib.suppress(json.JSONDecodeError):
+        if isinstance(row := json.loads(line), dict):
+            return row
+    raise SystemExit(f'{path} line {i} is not a JSON object; --task_data takes one a line: {{"problem": .., "answer": ..}}')
+
+
 class MathTask:
     def __init__(self, data: str, fields: str = "problem,answer", reasoning: bool = False, eval_fraction: float = 0.05,
                  answer_format: str = "boxed"):
@@ -76,12 +84,15 @@ class MathTask:
         if not data:
             raise ValueError("--task math needs --task_data: a .jsonl or .parquet file, or hf://datasets/OWNER/NAME/FILE")
         problem_key, answer_key = fields.split(",")
-        with fsspec.open(data, "rb") as f:  # a local path or a URL: hf://datasets/OWNER/NAME/FILE, s3://, gs://
-            if data.endswith(".parquet"):
-                import pyarrow.parquet as pq  # only parquet needs it: pip install pyarrow
-                rows = pq.read_table(f).to_pylist()
-            else:
-                rows = [json.loads(line) for line in f if line.strip()]
+        try:
+            with fsspec.open(data, "rb") as f:  # a local path or a URL: hf://datasets/OWNER/NAME/FILE, s3://, gs://
+                if data.endswith(".parquet"):
+                    import pyarrow.parquet as pq  # only parquet needs it: pip install pyarrow
+                    rows = pq.read_table(f).to_pylist()
+                else:
+                    rows = [json_line(data, i, line) for i, line in enumerate(f, 1) if line.strip()]
+        except FileNotFoundError:
+            raise SystemExit(f"--task_data {data}: no such file") from None
         if bad := [i for i, row in enumerate(rows) if problem_key not in row or answer_key not in row]:
             raise ValueError(f"{data} row {bad[0]} lacks the field {problem_key!r} or {answer_key!r} "
                              f"(it has {sorted(rows[bad[0]])}); set --task_fields PROBLEM,ANSWER")
@@ -107,7 +118,7 @@ def make_task(run) -> "ReverseAddition | MathTask":
         return ReverseAddition()
     if run.task == "math":
         return MathTask(run.task_data, run.task_fields, run.reasoning, answer_format=run.answer_format)
-    raise ValueError(f"unknown task {run.task!r}; known: reverse_add, math")
+    raise SystemExit(f"--task {run.task!r} is unknown: pass --task reverse_add or --task math")
 
 
 def prompt_ids(tokenizer, text: str, system_prompt: str = "") -> list[int]:

@@ -122,7 +122,7 @@ def test_a_second_trainer_is_refused_and_takes_over_once_the_first_is_dead(tmp_p
         first.wait()
         third = subprocess.run([sys.executable, *TRAIN, "--run_dir", run_dir], cwd=ROOT, capture_output=True,
                                text=True, timeout=300)
-        assert third.returncode == 0 and f"took over from trainer {owner}" in third.stdout, third.stderr[-2000:]
+        assert third.returncode == 0 and f"continuing after trainer {owner}" in third.stdout, third.stderr[-2000:]
     finally:
         gen.kill()
 

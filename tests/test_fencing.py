@@ -169,7 +169,7 @@ def test_a_kill_during_the_first_checkpoint_restarts_from_step_0(tmp_path):
         assert gen.wait(timeout=60) == 0
     finally:
         gen.kill()
-    assert "resumed from" not in second.stdout and "took over from trainer" in second.stdout
+    assert "resumed from" not in second.stdout and "continuing after trainer" in second.stdout
     records = standing(run_dir)
     assert {s: e for s, (e, _) in records.items()} == {s: 2 for s in range(7)}  # all redone, by the second life
     ids = [g for s, (_, r) in records.items() if s for g in r["group_ids"]]

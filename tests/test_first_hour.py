@@ -100,3 +100,43 @@ def test_the_trainer_lists_a_bucket_only_when_what_it_knows_of_does_not_suffice(
     taken = [g.group_id for _ in range(3) for g in buffer.take(4, ledger)]
     assert taken == [f"w-{i:06d}" for i in range(12)] and lists == ["rollouts"]
     assert buffer.take(4, ledger) == [] and lists == ["rollouts", "rollouts"]  # nothing known waits: it looks again
+
+
+def test_bad_task_inputs_are_one_line_each_and_leave_no_trace(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n\n{"problem": "2+2",\n')
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    cases = {("--task", "Math"): "--task 'Math' is unknown: pass --task reverse_add or --task math",
+             ("--task", "math", "--task_data", str(tmp_path / "bad.jsonl")):
+                 f'{tmp_path / "bad.jsonl"} line 3 is not a JSON object; --task_data takes one a line: '
+                 '{"problem": .., "answer": ..}',
+             ("--task", "math", "--task_data", str(tmp_path / "list.jsonl")): f"{tmp_path / 'list.jsonl'} line 1 is not",
+             ("--task", "math", "--task_data", str(tmp_path / "none.jsonl")): f"--task_data {tmp_path / 'none.jsonl'}: "
+                                                                               "no such file",
+             ("--task_data", str(tmp_path / "bad.jsonl")): "--task_data is read only by --task math, and --task is "
+                                                          "reverse_add: add --task math"}
+    for args, said in cases.items():
+        for name in ("train.py", "generate.py"):
+            out = script(name, "--run_dir", str(tmp_path / "run"), *args)
+            assert out.returncode == 1 and out.stderr.strip().startswith(said), (name, args, out.stderr[-2000:])
+            assert len(out.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "run"), out.stderr
+
+
+def test_a_port_in_use_is_one_line_and_no_banner(tmp_path):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for args in (["proxy.py", "--upstream", "http://127.0.0.1:9", "--no_auth"], ["-m", "minigrpo.replica.serve"]):
+            out = script(*args, "--port", str(port))
+            assert out.returncode == 1 and out.stdout == "", out.stdout
+            assert out.stderr.strip().endswith(f"cannot listen on 127.0.0.1:{port} (Address already in use): pick "
+                                               "another --port") and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_tracker_that_cannot_start_is_one_line(tmp_path):
+    env = {k: v for k, v in ENV.items() if not k.startswith("WANDB_")} | {"HOME": str(tmp_path), "WANDB_MODE": "online"}
+    out = subprocess.run([sys.executable, "train.py", "--run_dir", str(tmp_path / "run"), "--report_to", "wandb",
+                          "--max_steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip() == "--report_to wandb: UsageError: No API key configured. Use `wandb login` to log in."
