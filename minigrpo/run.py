@@ -1,11 +1,13 @@
 """The run: the settings every process must agree on (RUN/run.json), the trainer's lease (RUN/owner.json), the
 metrics records (RUN/metrics/) and the fault points the crash tests use. All of it goes through storage.py."""
+import argparse
 import contextlib
 import json
 import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -43,8 +45,13 @@ class RunSettings:  # shared by the trainer and every generator: written once to
         return trainer_version - policy_version <= self.max_staleness
 
 
+class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help: the script's docstring (its example commands) as written, then every flag with its default."""
+
+
 def parse_config(*types, argv=None):  # the flags, one dataclass each; an unknown flag: one line (exit 2), no traceback
-    *configs, unknown = (parser := HfArgumentParser(types)).parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    parser = HfArgumentParser(types, description=sys.modules["__main__"].__doc__, formatter_class=HelpFormat)
+    *configs, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     if unknown:
         parser.exit(2, f"{parser.prog}: unrecognized arguments: {' '.join(unknown)} (--help lists the flags)\n")
     return configs

@@ -140,3 +140,10 @@ def test_a_tracker_that_cannot_start_is_one_line(tmp_path):
                           "--max_steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stderr.strip() == "--report_to wandb: UsageError: No API key configured. Use `wandb login` to log in."
+
+
+def test_help_shows_the_scripts_description_and_example_commands():
+    for name, example in (("train.py", "python generate.py & python train.py"), ("generate.py", "python generate.py")):
+        out = script(name, "--help")
+        assert out.returncode == 0 and out.stdout.startswith(f"usage: {name}"), out.stderr[-2000:]
+        assert f"{name}: the" in out.stdout and example in out.stdout and "(default: 8)" in out.stdout, out.stdout[:3000]
