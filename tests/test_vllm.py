@@ -309,20 +309,24 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(rep
 
 
 # ---- a replica that serves other weights under the expected name is caught before the gradient ----
+@pytest.mark.parametrize("served, bound", [("other", 0.05), ("base", 0.3)])
 def test_replicas_serving_other_weights_under_the_expected_names_are_caught_before_the_gradient(replicas, proxy,
-                                                                                                tmp_path):
+                                                                                                tmp_path, served, bound):
     """vLLM sends no digest, so the http engine cannot see it; the trainer's audit scores every group under the
     weights of the version it names before the gradient. The replicas read the run through a view of their own:
-    version 0's name leads to version 0, every later name to one random adapter. The liar runs in lock-step, so step
-    1 trains its version-0 groups (honest) and every later group names a later version; once the first goes to
-    bad/, an honest torch generator starts, so the run goes on. Each group of a later version goes to bad/ unless
-    its tokens' log-probs under both weights agree within the tolerance (0.01 a token on average): a group of
-    near-certain tokens (an immediate stop, say) cannot be told apart, and is harmless to train. In the runs here
-    2 of 272 were such; 5% is the bound. (The base model under every name, after one or two steps of training, was
-    that close for more groups: the audit caught most, not all.)"""
+    version 0's name leads to version 0, every later name to one random adapter ("other") or to version 0 too (the
+    base model: a replica whose LoRA load silently failed). The liar runs in lock-step, so step 1 trains its
+    version-0 groups (honest) and every later group names a later version; once the first goes to bad/, an honest
+    torch generator starts, so the run goes on. Each group of a later version goes to bad/ unless its tokens'
+    log-probs under both weights agree within the tolerance (0.01 a token on average): a group of near-certain tokens
+    (an immediate stop, say) cannot be told apart, and is harmless to train. Here 2 of 272 "other" groups were such;
+    the base model is closer to versions 1-2, which one or two steps of training moved little: 16 of 165 and 14 of
+    248 passed in two runs.
+    The bounds are 5% and 30%."""
     run_dir, view = str(tmp_path / "run"), tmp_path / "view"
     (view / "adapters").mkdir(parents=True)
-    other = random_adapter(tmp_path / "other", seed=3)
+    base = f"{run_dir}/adapters/policy-{{}}-v000000"  # {} is the run id, known once train.py writes run.json
+    later = random_adapter(tmp_path / "other", seed=3) if served == "other" else base
     train = subprocess.Popen([sys.executable, "train.py", "--run_dir", run_dir, "--model", MODEL, "--max_steps", "3",
                               "--groups_per_step", "8", "--loss_type", "grpo", "--eval_every", "100", "--eval_size",
                               "20"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -346,7 +350,7 @@ def test_replicas_serving_other_weights_under_the_expected_names_are_caught_befo
         rid = run_id(run_dir)
         os.symlink(f"{run_dir}/adapters/policy-{rid}-v000000", view / "adapters" / f"policy-{rid}-v000000")
         for v in range(1, 8):
-            os.symlink(other, view / "adapters" / f"policy-{rid}-v{v:06d}")
+            os.symlink(later.format(rid), view / "adapters" / f"policy-{rid}-v{v:06d}")
         watcher.start()
         out = train_and_generate(run_dir, http_generator(proxy, "liar", "--replica_run_dir", str(view), "--lockstep"),
                                  [], train=train)  # lock-step: after version 0's 8 groups it waits for version 1
@@ -363,7 +367,7 @@ def test_replicas_serving_other_weights_under_the_expected_names_are_caught_befo
     reasons = [storage.get(f"bad/{n}").decode() for n in storage.list("bad") if n.endswith(".reason.txt")]
     gaps = [float(re.search(r"of ([0-9.]+) a token", r)[1]) for r in reasons]
     assert reasons and all(r.startswith("'liar-") and "PolicyMismatch" in r and "v0's" not in r for r in reasons), reasons
-    assert min(gaps) > 0.01 and len(late) <= 0.05 * (len(late) + len(reasons)), (late, len(reasons))
+    assert min(gaps) > 0.01 and len(late) <= bound * (len(late) + len(reasons)), (late, len(reasons))
     assert sum(r["sample/policy_mismatch"] for r in steps) == len(reasons) and "POLICY MISMATCH" in out, out[-3000:]
 
 
