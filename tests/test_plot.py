@@ -4,8 +4,10 @@
 """
 import json
 import os
+import subprocess
+import sys
 
-from conftest import train_records
+from conftest import ROOT, train_records
 
 from minigrpo.tools.plot import plot_run
 
@@ -35,3 +37,34 @@ def test_dashboard_is_written_resumed_steps_supersede_and_bad_lines_are_counted(
     out = plot_run(run_dir, str(tmp_path / "dash.png"))
     assert "skipped 3 lines that are not JSON records, first train-a-00000.jsonl: '{\"step\": 21" in capsys.readouterr().out
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(out) > 20_000
+
+
+def test_totals_have_an_axis_of_their_own_and_legends_sit_under_the_panels(tmp_path):
+    """A run-long counter on the staleness axis squashed staleness flat after a resume; legends covered lines."""
+    from minigrpo.storage import Storage
+    from minigrpo.tools.plot import dashboard
+    run_dir = str(tmp_path / "run")
+    write_run(run_dir)
+    fig = dashboard(Storage(run_dir), [])
+    fig.canvas.draw()  # legends get their place
+    labels = lambda ax: {line.get_label() for line in ax.get_lines()}  # noqa: E731
+    stale = next(ax for ax in fig.axes if "staleness mean" in labels(ax))
+    assert not {lab for lab in labels(stale) if "total" in lab}, labels(stale)
+    twin = next(ax for ax in fig.axes if "dropped_stale (total)" in labels(ax))
+    assert twin is not stale and twin.bbox.bounds == stale.bbox.bounds  # the same panel, its other y axis
+    panels = [ax for ax in fig.axes if ax.get_legend()]
+    assert len(panels) == 6
+    for ax in panels:
+        box, area = ax.get_legend().get_window_extent(), ax.get_window_extent()
+        assert box.y1 <= area.y0, f"{ax.get_title()}: the legend overlaps the plotting area"
+
+
+def test_the_dashboard_goes_into_the_run_directory_unless_told_otherwise(tmp_path):
+    run_dir = str(tmp_path / "run")
+    write_run(run_dir)
+    out = subprocess.run([sys.executable, "-m", "minigrpo.tools.plot", run_dir], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == f"wrote {run_dir}/dashboard.png", out.stderr[-2000:]
+    assert open(f"{run_dir}/dashboard.png", "rb").read(4) == b"\x89PNG" and os.listdir(tmp_path) == ["run"]
+    assert plot_run(run_dir, str(tmp_path / "there.png")) == str(tmp_path / "there.png")
+    assert os.path.getsize(tmp_path / "there.png") > 20_000

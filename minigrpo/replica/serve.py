@@ -5,8 +5,7 @@
 
 It answers like `vllm serve --enable-lora --logprobs-mode processed_logprobs` with VLLM_SERVER_DEV_MODE=1 and
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (README, "Many replicas", lists what a client gets). A field vLLM would
-ignore, or one not implemented here, is refused by name: nothing is silently ignored.
-"""
+ignore, or one not implemented here, is refused by name: nothing is silently ignored."""
 import asyncio
 import json
 import math

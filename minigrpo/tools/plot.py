@@ -1,8 +1,9 @@
 """A picture of a run: the dashboard to read when a run learns slowly or one side waits on the other.
 
-    python -m minigrpo.tools.plot runs/demo                  # writes ./dashboard.png (RUN may be a URL too)
-"""
+    python -m minigrpo.tools.plot runs/demo                  # writes runs/demo/dashboard.png (RUN may be a URL too)"""
 import argparse
+import io
+import pathlib
 
 import numpy as np
 from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global figure to close
@@ -15,24 +16,21 @@ def latest_per_step(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records if type(r.get("step")) is int}  # in order: the last one of a step stands
 
 
-def right_axis(panel, title: str, curves: list[tuple], loc="upper right"):
-    """Title a panel and draw curves (x, y, label, colour) on a second y axis with a legend of their own."""
+def right_axis(panel, title: str, curves: list[tuple]):  # title a panel; curves (x, y, label, colour) of another scale
     twin = panel.twinx()
     for x, y, label, colour in curves:
         twin.plot(x, y, color=colour, lw=0.8, label=label)
-    twin.legend(loc=loc, fontsize=8)
     panel.set_title(title)
 
 
-def plot_run(run_dir: str, out: str) -> str:
-    storage, bad = Storage(run_dir), []
+def dashboard(storage: Storage, bad: list) -> Figure:
     by_step = latest_per_step(read_records(storage, "train", bad))  # a step redone after a resume: the newest life's
     train = [by_step[s] for s in sorted(by_step)]
     steps = [r for r in train if r["step"] > 0]
     x = [r["step"] for r in steps]
     col = lambda key, missing=float("nan"): [r.get(key, missing) for r in steps]
-    fig = Figure(figsize=(16, 8.5))
-    fig.suptitle(f"minigrpo run {run_dir}")
+    fig = Figure(figsize=(16, 10))
+    fig.suptitle(f"minigrpo run {storage.url()}")
     (reward, ratio, stale), (timing, queue, entropy) = fig.subplots(2, 3)
 
     reward.plot(x, col("reward/mean"), lw=0.8, alpha=0.6, label="reward/mean (train batch)")
@@ -43,15 +41,15 @@ def plot_run(run_dir: str, out: str) -> str:
     ratio.plot(x, col("ratio/mean"), label="ratio/mean")
     ratio.fill_between(x, col("ratio/min"), col("ratio/max"), alpha=0.2, label="ratio min..max")
     ratio.set_yscale("log")  # a ratio is multiplicative: 2x and 0.5x sit at the same distance from 1
-    right_axis(ratio, "policy ratio pi/mu and clipped fractions",
-               [(x, col(f"clip_ratio/{side}"), f"clip_ratio/{side}", c) for side, c in (("low", "C2"), ("high", "C3"))])
+    right_axis(ratio, "ratio pi/mu (left); clipping and health (right)",
+               [(x, col(k), k, c) for k, c in (("clip_ratio/low", "C2"), ("clip_ratio/high", "C3"),
+                                               ("health/ess_frac", "C4"), ("health/mismatch_kl", "C5"))])
 
     stale.plot(x, col("sample/staleness_mean"), label="staleness mean")
     stale.plot(x, col("sample/staleness_max"), label="staleness max")
-    stale.plot(x, col("sample/dropped_stale_total"), label="dropped stale (total)")
-    right_axis(stale, "staleness (versions behind) and off-policy health",
-               [(x, col("health/ess_frac"), "health/ess_frac (1 = on-policy)", "C4"),
-                (x, col("health/mismatch_kl"), "health/mismatch_kl", "C5")])
+    right_axis(stale, "staleness in versions (left); drops so far (right)",
+               [(x, col(f"sample/{k}_total"), f"{k} (total)", c) for k, c in (("dropped_stale", "C3"),
+                ("dropped_zero_std", "C4"), ("bad", "C5"))])  # counters grow all run: never on staleness's scale
 
     parts = {"perf/fwd_bwd_s": "forward+backward", "perf/rollout_wait_s": "rollout wait",
              "perf/weight_sync_s": "weight sync", "perf/eval_s": "evaluation"}  # eval_s only on the steps that evaluate
@@ -69,26 +67,35 @@ def plot_run(run_dir: str, out: str) -> str:
         at = np.interp([r["time"] for r in g], [r.get("time", 0) for r in steps], x)
         cum = np.cumsum([r.get("rollout/backpressure_s", 0) for r in g])
         backpressure.append((at, cum, f"backpressure s (cum.) {name}", "C3"))
-    right_axis(queue, "rollout queue against generator backpressure", backpressure, loc="lower right")
+    right_axis(queue, "rollout queue against generator backpressure", backpressure)
 
     entropy.plot(x, col("entropy"), label="entropy (nats/token)")
     right_axis(entropy, "entropy and completion length",
                [(x, col("completions/mean_length"), "completion length", "C1")])
 
-    for a in (reward, ratio, stale, timing, queue, entropy):
+    for a in (reward, ratio, stale, timing, queue, entropy):  # one legend a panel, both axes', under it: off the lines
         a.set_xlabel("step")
-        a.legend(loc="upper left", fontsize=8)
+        handles = [h for ax in a.get_shared_x_axes().get_siblings(a) for h in ax.get_legend_handles_labels()[0]]
+        a.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8, frameon=False)
         a.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
+    return fig
+
+
+def plot_run(run_dir: str, out: str = "") -> str:  # draws into `out` or RUN/dashboard.png (a bucket too); the path
+    bad, png, storage = [], io.BytesIO(), Storage(run_dir)
+    dashboard(storage, bad).savefig(png, format="png", dpi=90)
     if bad:
         print(f"skipped {len(bad)} lines that are not JSON records, first {bad[0]}", flush=True)
-    return out
+    if not out:
+        storage.put("dashboard.png", png.getvalue())
+    else:
+        pathlib.Path(out).write_bytes(png.getvalue())
+    return out or storage.url("dashboard.png")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
-    parser.add_argument("--out", default="dashboard.png", help="PNG path")
-    args = parser.parse_args()
-    print(plot_run(args.run_dir, args.out))
+    parser.add_argument("--out", default="", help="a local PNG path (default: RUN_DIR/dashboard.png)")
+    print(f"wrote {plot_run(**vars(parser.parse_args()))}")
