@@ -96,9 +96,9 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats)
         groups += [g for g in fresh if id(g) not in lied]
         if len(groups) > kept:  # one to learn from: a dapo policy that gets every sample alike right or wrong has none
             last_seen, said = time.time(), 0
-        elif (waited := time.time() - last_seen) > min(cfg.wait_timeout_s, 2 ** said * min(30, cfg.wait_timeout_s / 2)):
+        elif (waited := time.time() - last_seen) > min(cfg.wait_timeout_s, min(20, cfg.wait_timeout_s / 2) + 60 * said):
             why = ", ".join(f"{n} {k}" for k, n in buffer.reasons.most_common()) or "none (is generate.py running?)"
-            where, said = buffer.storage.url("rollouts"), said + 1  # said at 30, 60, 120 s... (or half the timeout)
+            where, said = buffer.storage.url("rollouts"), said + 1  # said at 20 s (or half the timeout), then each minute
             if waited > cfg.wait_timeout_s:
                 raise SystemExit(f"no fresh group to learn from (dapo: unequal rewards) in {where} for "
                                  f"{cfg.wait_timeout_s:.0f}s. Consumed: {why} {stats}")
