@@ -82,7 +82,7 @@ class MathTask:
         self.answer_format = answer_format  # one grader scores a run: math-verify's version and the answer format
         self.grader = f"math-verify {importlib.metadata.version('math-verify')}, {answer_format}"
         if not data:
-            raise ValueError("--task math needs --task_data: a .jsonl or .parquet file, or hf://datasets/OWNER/NAME/FILE")
+            raise SystemExit("--task math needs --task_data: a .jsonl or .parquet file, or hf://datasets/OWNER/NAME/FILE")
         problem_key, answer_key = fields.split(",")
         try:
             with fsspec.open(data, "rb") as f:  # a local path or a URL: hf://datasets/OWNER/NAME/FILE, s3://, gs://
@@ -94,7 +94,7 @@ class MathTask:
         except FileNotFoundError:
             raise SystemExit(f"--task_data {data}: no such file") from None
         if bad := [i for i, row in enumerate(rows) if problem_key not in row or answer_key not in row]:
-            raise ValueError(f"{data} row {bad[0]} lacks the field {problem_key!r} or {answer_key!r} "
+            raise SystemExit(f"{data} row {bad[0]} lacks the field {problem_key!r} or {answer_key!r} "
                              f"(it has {sorted(rows[bad[0]])}); set --task_fields PROBLEM,ANSWER")
         problems = [Problem(str(r[problem_key]), str(r[answer_key])) for r in rows]
         random.Random(0).shuffle(problems)

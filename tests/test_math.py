@@ -55,9 +55,9 @@ def test_math_task_reads_a_jsonl_with_its_own_field_names(tmp_path):
     assert len(held_out) == 3 and not held_out & {p.prompt for p in task.train_set}
     problem = task.eval_problems(1)[0]
     assert task.reward(rf"\boxed{{{problem.answer}}}", problem.answer) == 1.0
-    with pytest.raises(ValueError, match="'problem'"):
+    with pytest.raises(SystemExit, match="'problem'"):
         make_task(RunSettings(task="math", task_data=str(path)))
-    with pytest.raises(ValueError, match="task_data"):
+    with pytest.raises(SystemExit, match="task_data"):
         make_task(RunSettings(task="math"))
 
 
