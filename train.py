@@ -55,7 +55,8 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
     seed: int = field(default=0, metadata={"help": "seed for the LoRA init and the evaluation samples"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | mps (torchrun: cuda:LOCAL_RANK)"})
     collective_timeout_s: float = field(default=600.0, metadata={"help": "torchrun: the gradient all-reduce's timeout"})
-    eval_batch_size: int = field(default=256, metadata={"help": "held-out prompts sampled at once (bounds memory)"})
+    eval_batch_tokens: int = field(default=2**20, metadata={"help": "held-out rows x (longest prompt + max_new_tokens) "
+                                   "sampled at once: bounds the KV cache (2^20: about 30 GB for a 1.5B Qwen2 in bf16)"})
     policy_check_tol: float = field(default=0.01, metadata={"help": "mean |log pi - log mu| per token under the weights "
                                     "a group names past which it was sampled with others (float32; bf16: x10, mixed: x30)"})
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "base weights (LoRA, loss: "
@@ -209,10 +210,12 @@ def share(obj, group):  # rank 0's object on every rank (the batch of samples: k
     return box[0]
 
 
-def evaluate(engine, tokenizer, task, problems, run, seed, batch_size) -> float:
-    """pass@1 at the run's temperature on a fixed held-out set, batch_size problems at a time: problem i has its own
-    seed, the same draws at every evaluation and in any batch, so successive evaluations differ only by the weights."""
+def evaluate(engine, tokenizer, task, problems, run, seed, batch_tokens) -> float:
+    """pass@1 at the run's temperature on a fixed held-out set, in batches of at most batch_tokens KV-cache tokens:
+    problem i has its own seed, the same draws at every evaluation and in any batch, so successive evaluations differ
+    only by the weights."""
     prompts = [prompt_ids(tokenizer, p.prompt, run.system_prompt) for p in problems]
+    batch_size = max(1, batch_tokens // (max(map(len, prompts), default=0) + run.max_new_tokens))
     params = [SamplingParams(max_tokens=run.max_new_tokens, temperature=run.temperature, seed=seed * 1_000_003 + i)
               for i in range(len(prompts))]
     outs = [c for i in range(0, len(prompts), batch_size)
@@ -308,7 +311,7 @@ def main():
           f"step, {cfg.max_steps} steps, max_staleness {run.max_staleness}, adapter {adapter_mb:.2f} MB "
           f"(published {store.url(version)}), eval on {len(eval_problems)} held-out problems\n"
           f"  {asdict(run)}\n  {asdict(cfg)}", flush=True)
-    evaluate_now = partial(evaluate, engine, tokenizer, task, eval_problems, run, cfg.seed, cfg.eval_batch_size)
+    evaluate_now = partial(evaluate, engine, tokenizer, task, eval_problems, run, cfg.seed, cfg.eval_batch_tokens)
     if step == 0:
         acc = evaluate_now()
         metrics.log({"step": 0, "eval/accuracy": acc, "version": version, "time": time.time()},

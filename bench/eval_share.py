@@ -1,12 +1,12 @@
 """How long an evaluation stops training: train.py's evaluate() (the trainer's own TorchEngine samples one completion
-per held-out problem, --eval_batch_size at a time, while training waits) against one train_step(), measured on this CPU
+per held-out problem, --eval_batch_tokens' worth of rows at a time, while training waits) against one train_step(), measured on this CPU
 at small shapes, then scaled to the README's math recipes (qwen-math-1.5b: max_new_tokens 3000; r1-distill-1.5b: 8192;
 both eval_size 500, eval_every 50, 500 steps, 16 groups x G=8) with the trainer on one H100-class GPU.
 
 1. evaluate() vs train_step() (the recipes' loss: dr_grpo, --old_logp recompute, LoRA r=1, micro-batches of 16,384
    tokens), float32, 1 thread (train.py's default), 3 interleaved repeats, mean +- sd: the demo model (stops at EOS)
    and two random Qwen2-shaped models (vocabulary 32,000, never say EOS, so every completion runs to max_new_tokens),
-   at max_new_tokens M in {16, 64, 256}, 32 held-out problems, --eval_batch_size B in {8, 32}; train_step on 2 groups
+   at max_new_tokens M in {16, 64, 256}, 32 held-out problems, batches of B in {8, 32} rows; train_step on 2 groups
    x G=8 completions of M tokens. Each evaluate() is fitted, per model, by the engine's decode loop:
        T_eval = sum over batches of  S * a  +  S * B * b  +  B * sum_t (P + t) * c
    S = decode steps of the batch = its LONGEST completion (rows stay in the batch until all are done), P the padded
@@ -118,7 +118,8 @@ def measure(name: str, path: str, lengths, eval_batches) -> tuple[list, list]:
             for B in eval_batches:
                 recorder.batches = []
                 t0 = time.perf_counter()
-                train.evaluate(engine, tokenizer, task, problems, run, 0, B)
+                longest = max(len(tokenizer(p.prompt)["input_ids"]) for p in problems)  # B rows of KV: its token budget
+                train.evaluate(engine, tokenizer, task, problems, run, 0, B * (longest + M))
                 times[B].append(time.perf_counter() - t0)
                 shapes[B] = recorder.batches  # per-problem seeds: the same draws, so the same shapes, every round
             t0 = time.perf_counter()
@@ -199,6 +200,7 @@ def dispatch_overhead(work: str) -> dict:
 
 
 # ---- 3. scaling to the recipes: every assumption, (low, high) ----
+# eval_batch_size: rows a batch, the default (256) before --eval_batch_tokens; these figures were scaled with it
 SCALING = {
     "eval_size": 500, "eval_batch_size": 256, "eval_every": 50, "max_steps": 500, "completions_per_step": 16 * 8,
     "prompt_tokens": (100, 200),  # a MATH problem in the chat template

@@ -238,11 +238,11 @@ run=(--model "$work/model" --run_dir "$work/run" --max_new_tokens "$new" --group
 timeout "$(left 600)" "$py" generate.py "${run[@]}" --device "$device" --prompts_per_batch 8 --max_ready 16 \
   > "$work/generate.log" 2>&1 &
 gen=$!
-# Evaluations at steps 0, 2 and 4, one batch of 32 prompts each. Micro-batches of 8k tokens: without checkpointing
+# Evaluations at steps 0, 2 and 4, in batches of at most 32 rows (prompts are under 64 tokens). Micro-batches of 8k tokens: without checkpointing
 # 1.5B keeps about 3 MB of activations a token, 24 GB here (16k would be 48), beside the generator's model and cache.
 # dr_grpo, the math recipes' loss, trains every group (dapo would drop a random model's all-zero ones).
 train=(train.py "${run[@]}" --device "$device" --dtype bfloat16 --max_steps 4 --groups_per_step 8 --save_every 2
-       --eval_every 2 --eval_size "$eval_size" --eval_batch_size 32 --micro_batch_tokens 8192 --lr 1e-5
+       --eval_every 2 --eval_size "$eval_size" --eval_batch_tokens $((32 * (64 + new))) --micro_batch_tokens 8192 --lr 1e-5
        --loss_type dr_grpo)
 rc=0  # the first life must end by its fault, exit code 137, not by a phase's failure
 MINIGRPO_FAULT=after_checkpoint:2 timeout "$(left "$limit")" "$py" "${train[@]}" > "$work/train.log" 2>&1 || rc=$?

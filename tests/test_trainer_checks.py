@@ -110,9 +110,13 @@ def test_chunked_evaluation_is_one_batch_to_the_bit():
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     task, run = ReverseAddition(), RunSettings()
     problems = task.eval_problems(100)
-    whole = evaluate(engine, tokenizer, task, problems, run, seed=3, batch_size=100)
-    assert [evaluate(engine, tokenizer, task, problems, run, seed=3, batch_size=b) for b in (7, 32)] == [whole] * 2
-    assert 0 < whole < 1
+    row = max(len(tokenizer(p.prompt)["input_ids"]) for p in problems) + run.max_new_tokens  # KV tokens a row
+    sizes, generate = [], engine.generate
+    engine.generate = lambda prompts, params: sizes.append(len(prompts)) or generate(prompts, params)
+    whole = evaluate(engine, tokenizer, task, problems, run, seed=3, batch_tokens=100 * row)
+    chunked = [evaluate(engine, tokenizer, task, problems, run, seed=3, batch_tokens=b * row + row - 1) for b in (7, 32)]
+    assert chunked == [whole] * 2 and 0 < whole < 1
+    assert sizes == [100] + [7] * 14 + [2] + [32] * 3 + [4], sizes  # rows = tokens // (longest prompt + new tokens)
 
 
 def test_float16_training_is_refused_naming_bfloat16(capsys):
