@@ -3,10 +3,12 @@
     python -m pytest -q tests/test_engine.py
 """
 import math
+import subprocess
+import sys
 
 import torch
 import torch.nn as nn
-from conftest import sequence_logprobs, tiny_model
+from conftest import ROOT, sequence_logprobs, tiny_model
 
 from minigrpo.engine import SamplingParams as SP, TorchEngine
 from minigrpo.lora import inject_lora, lora_layers
@@ -119,3 +121,17 @@ def test_each_decode_step_extends_the_kv_cache_and_decodes_as_a_full_forward_doe
             for _ in range(5):
                 ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
         assert c.token_ids == ids[len(prompt):]
+
+
+def test_an_older_transformers_gets_the_cache_under_the_keyword_it_reads():
+    """5.24 renamed past_key_values= to cache= (keeping the old name as a deprecated alias); older ones read only the
+    old name. A patched version string picks it, and decoding still extends the cache (the alias works on 5.24)."""
+    code = ("import transformers; transformers.__version__ = '5.17.0'; import sys; sys.path.insert(0, 'tests')\n"
+            "import minigrpo.engine as E; from conftest import tiny_model\n"
+            "engine, seen = E.TorchEngine(tiny_model(), stop_ids=[], pad_id=0), []\n"
+            "f = engine._forward\n"
+            "engine._forward = lambda ids, mask, pos, cache: seen.append(cache.get_seq_length()) or f(ids, mask, pos, cache)\n"
+            "engine.generate([[5, 6, 7]], E.SamplingParams(max_tokens=3, temperature=0))\n"
+            "print(E.CACHE_ARG, seen)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split("\n")[-2] == "past_key_values [0, 3, 4]", out.stdout + out.stderr[-2000:]
