@@ -3,7 +3,7 @@
     python -m minigrpo.tools.plot runs/demo                  # writes runs/demo/dashboard.png (RUN may be a URL too)"""
 import argparse
 import io
-import pathlib
+import os
 
 import numpy as np
 from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global figure to close
@@ -21,12 +21,15 @@ def right_axis(panel, title: str, curves: list[tuple]):  # title a panel; curves
     for x, y, label, colour in curves:
         twin.plot(x, y, color=colour, lw=0.8, label=label)
     panel.set_title(title)
+    return twin
 
 
 def dashboard(storage: Storage, bad: list) -> Figure:
     by_step = latest_per_step(read_records(storage, "train", bad))  # a step redone after a resume: the newest life's
     train = [by_step[s] for s in sorted(by_step)]
     steps = [r for r in train if r["step"] > 0]
+    if not steps:
+        raise SystemExit(f"no training steps under {storage.url('metrics')} yet: nothing to plot")
     x = [r["step"] for r in steps]
     col = lambda key, missing=float("nan"): [r.get(key, missing) for r in steps]
     fig = Figure(figsize=(16, 10))
@@ -41,15 +44,15 @@ def dashboard(storage: Storage, bad: list) -> Figure:
     ratio.plot(x, col("ratio/mean"), label="ratio/mean")
     ratio.fill_between(x, col("ratio/min"), col("ratio/max"), alpha=0.2, label="ratio min..max")
     ratio.set_yscale("log")  # a ratio is multiplicative: 2x and 0.5x sit at the same distance from 1
-    right_axis(ratio, "ratio pi/mu (left); clipping and health (right)",
-               [(x, col(k), k, c) for k, c in (("clip_ratio/low", "C2"), ("clip_ratio/high", "C3"),
-                                               ("health/ess_frac", "C4"), ("health/mismatch_kl", "C5"))])
+    keys = ("clip_ratio/low", "clip_ratio/high", "health/ess_frac", "health/mismatch_kl")
+    right_axis(ratio, "ratio pi/mu (left); clipping and health (right)",  # symlog: fractions near 0 beside ESS near 1
+               [(x, col(k), k, f"C{i}") for i, k in enumerate(keys, 2)]).set_yscale("symlog", linthresh=0.01)
 
     stale.plot(x, col("sample/staleness_mean"), label="staleness mean")
     stale.plot(x, col("sample/staleness_max"), label="staleness max")
-    right_axis(stale, "staleness in versions (left); drops so far (right)",
-               [(x, col(f"sample/{k}_total"), f"{k} (total)", c) for k, c in (("dropped_stale", "C3"),
-                ("dropped_zero_std", "C4"), ("bad", "C5"))])  # counters grow all run: never on staleness's scale
+    totals = sorted({k for r in steps for k in r if k.endswith("_total")})  # dropped_stale_total...: they only grow,
+    right_axis(stale, "staleness in versions (left); run totals (right)",  # so never on staleness's scale
+               [(x, col(k), f"{k.split('/')[-1][:-6]} (total)", f"C{i}") for i, k in enumerate(totals, 3)])
 
     parts = {"perf/fwd_bwd_s": "forward+backward", "perf/rollout_wait_s": "rollout wait",
              "perf/weight_sync_s": "weight sync", "perf/eval_s": "evaluation"}  # eval_s only on the steps that evaluate
@@ -58,9 +61,8 @@ def dashboard(storage: Storage, bad: list) -> Figure:
     timing.set_title("where a step's time goes (s)")
 
     queue.plot(x, col("sample/rollout_queue_size"), label="groups waiting for the trainer")
-    t0 = steps[0].get("time", 0) if steps else float("inf")
     gens = [r for r in read_records(storage, "generate-", bad)
-            if isinstance(r.get("time"), (int, float)) and r["time"] >= t0]
+            if isinstance(r.get("time"), (int, float)) and r["time"] >= steps[0].get("time", 0)]
     backpressure = []  # each generator's cumulative backpressure, its wall time put on the step axis
     for name in sorted({r.get("generator", "") for r in gens}):
         g = [r for r in gens if r.get("generator", "") == name]
@@ -75,7 +77,8 @@ def dashboard(storage: Storage, bad: list) -> Figure:
 
     for a in (reward, ratio, stale, timing, queue, entropy):  # one legend a panel, both axes', under it: off the lines
         a.set_xlabel("step")
-        handles = [h for ax in a.get_shared_x_axes().get_siblings(a) for h in ax.get_legend_handles_labels()[0]]
+        axes = sorted(a.get_shared_x_axes().get_siblings(a), key=lambda ax: ax is not a)  # the left axis' lines first
+        handles = [h for ax in axes for h in ax.get_legend_handles_labels()[0]]
         a.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8, frameon=False)
         a.grid(alpha=0.3)
     fig.tight_layout()
@@ -87,15 +90,13 @@ def plot_run(run_dir: str, out: str = "") -> str:  # draws into `out` or RUN/das
     dashboard(storage, bad).savefig(png, format="png", dpi=90)
     if bad:
         print(f"skipped {len(bad)} lines that are not JSON records, first {bad[0]}", flush=True)
-    if not out:
-        storage.put("dashboard.png", png.getvalue())
-    else:
-        pathlib.Path(out).write_bytes(png.getvalue())
-    return out or storage.url("dashboard.png")
+    where, name = (Storage(os.path.dirname(out) or "."), os.path.basename(out)) if out else (storage, "dashboard.png")
+    where.put(name, png.getvalue())
+    return where.url(name)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
-    parser.add_argument("--out", default="", help="a local PNG path (default: RUN_DIR/dashboard.png)")
+    parser.add_argument("--out", default="", help="a PNG path or URL (default: RUN_DIR/dashboard.png)")
     print(f"wrote {plot_run(**vars(parser.parse_args()))}")
