@@ -43,6 +43,18 @@ def publish_v0(run_dir, settings=RunSettings()) -> AdapterStore:
     return store
 
 
+def generated_groups(run_dir, batches: int) -> list:
+    """generate.py's groups of `batches` batches on a run publish_v0 made, read back and taken out of rollouts/, for
+    a test to rewrite before the trainer sees them."""
+    subprocess.run([sys.executable, "generate.py", "--run_dir", run_dir, "--max_batches", str(batches)], cwd=ROOT,
+                   check=True, capture_output=True, timeout=300)
+    storage = Storage(run_dir)
+    names = storage.list("rollouts")
+    groups = [read_group(storage.get(f"rollouts/{f}"), f.removesuffix(".safetensors")) for f in names]
+    storage.delete([f"rollouts/{f}" for f in names])
+    return groups
+
+
 class Watcher(threading.Thread):
     """Polls a run every 10 ms: LATEST must always name a complete version, and a name must never get other
     weights (a name seen with two digests was reused)."""

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, tiny_model, train_records
-from test_faults import publish_v0
+from test_faults import generated_groups, publish_v0
 from test_rundir import RUN, make_group
 from test_train_step import sequences
 
@@ -79,11 +79,7 @@ def test_when_every_group_is_quarantined_the_stop_line_names_the_reasons_and_cou
     """Not "is generate.py running?": every group came, and every one was refused."""
     run_dir = str(tmp_path / "run")
     store = publish_v0(run_dir)
-    subprocess.run([sys.executable, "generate.py", "--run_dir", run_dir, "--max_batches", "1"], cwd=ROOT,
-                   check=True, capture_output=True, timeout=300)
-    storage = Storage(run_dir)
-    groups = [read_group(storage.get(f"rollouts/{f}"), f.removesuffix(".safetensors")) for f in storage.list("rollouts")]
-    storage.delete([f"rollouts/{f}" for f in storage.list("rollouts")])
+    storage, groups = Storage(run_dir), generated_groups(run_dir, 1)
     for i, g in enumerate(groups):
         g.rewards = [3e38, 3e38] + [0.0] * 6 if i % 2 else [1e30] + [0.0] * 7
     RolloutBuffer(storage, store.run_id).write(groups, "huge", 0)

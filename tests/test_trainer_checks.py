@@ -11,17 +11,17 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, save_random_adapter, tiny_model, train_records
-from test_faults import publish_v0
+from test_faults import generated_groups, publish_v0
 from test_train_step import sequences
 
 from minigrpo.engine import TorchEngine
 from minigrpo.lora import inject_lora, lora_layers, lora_state_dict
 from minigrpo.model import load_model, stop_token_ids
-from minigrpo.rollouts import Group, Ledger, RolloutBuffer, check_group, read_group
+from minigrpo.rollouts import Group, Ledger, RolloutBuffer, check_group
 from minigrpo.run import RunSettings, create_run, parse_config
 from minigrpo.storage import Storage
 from minigrpo.tasks import ReverseAddition
-from train import TrainConfig, audit, evaluate, policy_tol, train_step
+from train import TrainConfig, audit, evaluate, policy_tol
 
 
 def groups_of(samples, G, version):
@@ -64,13 +64,9 @@ def test_a_sampler_that_served_other_weights_than_the_version_it_names_is_quaran
     save_random_adapter(tmp_path / "random", r=8, alpha=16.0)
     shutil.copy(tmp_path / "random" / "adapter_model.safetensors", f"{store.url(0)}/adapter_model.safetensors")
     publish_v0(honest)
-    for run_dir in (other, honest):
-        subprocess.run([sys.executable, "generate.py", "--run_dir", run_dir, "--max_batches", "2"], cwd=ROOT,
-                       check=True, capture_output=True, timeout=300)
     run_id = publish_v0(mine).run_id
     for seq, run_dir in ((0, other), (16, honest)):
-        storage = Storage(run_dir)
-        groups = [read_group(storage.get(f"rollouts/{f}"), f.removesuffix(".safetensors")) for f in storage.list("rollouts")]
+        groups = generated_groups(run_dir, 2)
         for g in groups:
             g.adapter_digest = ""
         RolloutBuffer(Storage(mine), run_id).write(groups, "replica", seq)
@@ -90,11 +86,7 @@ def test_a_dapo_run_with_nothing_to_learn_from_stops_with_a_clear_line(tmp_path)
     without a group to learn from (however many others arrive) the trainer stops, naming why and what it dropped."""
     run_dir = str(tmp_path / "run")
     store = publish_v0(run_dir)
-    subprocess.run([sys.executable, "generate.py", "--run_dir", run_dir, "--max_batches", "2"], cwd=ROOT,
-                   check=True, capture_output=True, timeout=300)
-    storage = Storage(run_dir)
-    groups = [read_group(storage.get(f"rollouts/{f}"), f.removesuffix(".safetensors")) for f in storage.list("rollouts")]
-    storage.delete([f"rollouts/{f}" for f in storage.list("rollouts")])
+    groups = generated_groups(run_dir, 2)
     for g in groups:
         g.rewards = [0.0] * len(g.rewards)
     RolloutBuffer(store.storage, store.run_id).write(groups, "flat", 0)
