@@ -140,13 +140,14 @@ def audit(model, groups, weights_of, run, cfg, device) -> list:
         mine = [g for g in groups if g.policy_version == v]
         samples = build_samples(mine, run, cfg)[0]
         owner, gap = {id(s): i // run.group_size for i, s in enumerate(samples)}, [0.0] * len(mine)
+        tokens = [sum(map(len, g.completion_ids)) for g in mine]
         with torch.no_grad():
             for mb in micro_batches(samples, cfg.micro_batch_tokens):
                 inputs, batch = collate(mb, device)
                 logp = packed_logprobs(model, *inputs, run.temperature)[0]  # (b, T)
                 for s, d in zip(mb, ((logp - batch.behav).abs() * batch.mask).sum(1).tolist()):
-                    gap[owner[id(s)]] += d / sum(len(c) for c in mine[owner[id(s)]].completion_ids)
-        caught += [(g, gap[i], tol) for i, g in enumerate(mine) if gap[i] > tol]
+                    gap[owner[id(s)]] += d
+        caught += [(g, gap[i] / tokens[i], tol) for i, g in enumerate(mine) if gap[i] > tol * tokens[i]]
     load_lora_state_dict(model, current)
     return caught
 
