@@ -87,7 +87,7 @@ def main():
     else:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(run.model))
         api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
-        engine = HttpEngine(cfg.url, api_key, cfg.max_inflight, keep=run.max_staleness + 1)
+        engine = HttpEngine(cfg.url, api_key, cfg.max_inflight, run.max_staleness + 1, model=resolve_model(run.model))
     sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
     buffer, store = RolloutBuffer(storage, meta["run_id"]), AdapterStore(storage, meta["run_id"])
     shown = asdict(cfg) | {"api_key": "***" if cfg.api_key else ""}  # a secret: neither printed nor tracked

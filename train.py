@@ -270,8 +270,7 @@ def main():
     rank, world, device, waiting = distributed(cfg.device, cfg.collective_timeout_s)
     storage = Storage(cfg.run_dir)
     if rank == 0 and storage.exists("DONE"):
-        raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists). "
-                         f"Delete it or pass another --run_dir to start a new run.")
+        raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): pass another --run_dir.")
     task = make_task(run)  # the task and the model first: a bad flag stops it before the run directory records it
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)

@@ -49,8 +49,7 @@ def load_checkpoint(storage, model, optimizer, names: list[str] | None = None) -
                 raise ValueError(f"{', '.join(bad)} do not match the MANIFEST")
             state = json.loads(files["trainer_state.json"])
             if not isinstance(state, dict) or (wrong := [k for k, t in STATE.items() if type(state.get(k)) is not t]):
-                raise ValueError(f"trainer_state.json: {wrong if isinstance(state, dict) else 'not an object'} "
-                                 f"missing or of another type")
+                raise ValueError(f"trainer_state.json: {wrong if isinstance(state, dict) else 'not an object'} missing or of another type")
             Ledger(state["ledger"])
             blob = torch.load(io.BytesIO(files["optimizer.pt"]), map_location="cpu", weights_only=True)
             load_lora_state_dict(model, load(files["adapter_model.safetensors"]))

@@ -42,10 +42,10 @@ def error(status: int, message: str, kind: str = "BadRequestError", param: str |
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status)
 
 
-def root_of(models: bytes | str, name: str) -> str | None:
-    """The path a /v1/models answer says adapter `name` is served from (None: no such name, or no such answer)."""
+def root_of(models: bytes | str, name: str = "") -> str | None:
+    """The path a /v1/models answer serves `name` from ("": the base model, the card without a parent), else None."""
     with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
-        return next((m.get("root") for m in json.loads(models)["data"] if m.get("id") == name), None)
+        return next((m.get("root") for m in json.loads(models)["data"] if m.get("id") == name or not (name or m.get("parent"))), None)
 
 
 def parse_json(raw: bytes) -> dict:

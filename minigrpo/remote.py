@@ -18,7 +18,7 @@ class ServerError(RuntimeError):
 
 
 class HttpEngine:
-    def __init__(self, url: str, api_key: str = "", max_inflight: int = 64, keep: int = 5, retry_s: float = 300.0):
+    def __init__(self, url: str, api_key="", max_inflight: int = 64, keep: int = 5, retry_s: float = 300.0, model=""):
         self.url, self.keep, self.retry_s = url.rstrip("/"), keep, retry_s
         self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
         self.inflight = asyncio.Semaphore(max_inflight)
@@ -28,6 +28,9 @@ class HttpEngine:
             return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(600, sock_connect=10), headers=P.bearer(api_key))
         self.session = self.loop.run_until_complete(session())
         atexit.register(self.close)  # however the process ends: an open session prints "Unclosed client session"
+        if (served := model and P.root_of(self.loop.run_until_complete(self._call("GET", "/v1/models"))[1])) and \
+                os.path.basename(served.rstrip("/")) != os.path.basename(model.rstrip("/")):  # vLLM loads any adapter
+            raise ServerError(f"{self.url} serves {served}, but this run trains {model}, and its adapters fit only that model")
 
     async def _call(self, method: str, path: str, body=None) -> tuple[int, str]:
         """(status, text), retrying transport errors and 5xx for up to retry_s: a starting or restarting server."""

@@ -256,3 +256,15 @@ def test_http_engine_catches_a_replica_serving_other_weights_under_the_name(flee
         second.load_adapter(1, str(p1))
     engine.close()
     second.close()
+
+
+def test_http_engine_refuses_replicas_of_another_base_model_before_it_loads_anything(fleet, tmp_path):
+    """vLLM loads an adapter made for another model and serves it (SmolLM2 took the demo's). The http engine
+    compares the base model the server lists (its card without a parent) with the run's before any load."""
+    import shutil
+
+    from minigrpo.model import DEMO_MODEL
+    other = shutil.copytree(DEMO_MODEL, tmp_path / "other_model")  # the same weights in a folder of another name
+    with pytest.raises(ServerError, match=f"serves {DEMO_MODEL}, but this run trains {other}, and its adapters fit"):
+        HttpEngine(fleet["proxy"], CLIENT, retry_s=5, model=str(other))
+    HttpEngine(fleet["proxy"], CLIENT, retry_s=5, model=DEMO_MODEL + "/").close()  # the same folder: no complaint

@@ -245,6 +245,25 @@ def test_the_proxys_adapter_rules_hold_on_real_vllm(replicas, proxy, tmp_path):
     assert roots("two") == [None, p2]
 
 
+def test_a_run_of_another_model_loads_nothing_on_real_vllm(replicas, proxy, tmp_path):
+    """vLLM loads an adapter made for another model with a 200 and serves it (SmolLM2 took the demo's 2 layers of
+    width 384). generate.py's http engine compares the replicas' base model with the run's first: a run of another
+    model stops with one line, and no replica loads any of its adapters."""
+    import shutil
+
+    from minigrpo.run import RunSettings, create_run
+    other = str(shutil.copytree(MODEL, tmp_path / "other_model"))  # another folder name: another model, as far as names go
+    assert requests.get(replicas[0].url + "/v1/models", timeout=30).json()["data"][0]["root"] == MODEL
+    storage = Storage(str(tmp_path / "run"))
+    rid = create_run(storage, RunSettings(model=other), "exact match")["run_id"]
+    random_adapter(tmp_path / "run" / "adapters" / f"policy-{rid}-v000000", seed=5)
+    storage.put("adapters/LATEST", f"policy-{rid}-v000000\n")
+    gen = subprocess.run([sys.executable, "generate.py", "--run_dir", str(tmp_path / "run"), "--model", other,
+                          *http_generator(proxy, "other")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 1 and f"serves {MODEL}, but this run trains {other}, and its adapters fit" in gen.stderr
+    assert "Traceback" not in gen.stderr and all(r.loaded(rid) == [] for r in replicas), gen.stderr
+
+
 def test_http_engine_reloads_what_a_restarted_replica_forgot(replicas, proxy, tmp_path):
     name = "policy-restart-v000001"
     path = random_adapter(tmp_path / name, seed=4)

@@ -20,7 +20,7 @@ from transformers import HfArgumentParser
 
 from minigrpo import protocol as P
 from minigrpo.lora import DEFAULT_TARGETS, inject_lora
-from minigrpo.model import load_model, pick_device, stop_token_ids
+from minigrpo.model import load_model, pick_device, resolve_model, stop_token_ids
 from minigrpo.replica.sampling import ServerEngine, ServerParams
 from minigrpo.replica.scheduler import Adapter, Scheduler
 
@@ -298,7 +298,7 @@ class Server:
         def card(id_, root, parent, max_len, created):
             return {"id": id_, "object": "model", "created": created, "owned_by": "vllm", "root": root,
                     "parent": parent, "max_model_len": max_len, "permission": []}
-        data = [card(self.name, self.cfg.model, None, self.max_model_len, int(time.time()))]
+        data = [card(self.name, resolve_model(self.cfg.model), None, self.max_model_len, int(time.time()))]
         data += [card(n, a.path, self.name, None, a.created) for n, a in self.scheduler.adapters.items()]
         return web.json_response({"object": "list", "data": data})
 
