@@ -111,7 +111,7 @@ class Proxy:
             already = [i for i, a in enumerate(answers) if a.status == 400 and P.LOADED.encode() in a.body]
             bad = [i for i in range(len(answers)) if i not in loaded and i not in already]
             models = [] if bad else await asyncio.gather(*(self.send(i, request, "/v1/models", "GET") for i in already))
-            other_weights = any(P.root_of(m.body, name) != path for m in models)  # the name, but not these weights
+            other_weights = any(P.card_of(m.body, name).get("root") != path for m in models)  # the name, but not these weights
             if not bad and not other_weights:  # everywhere now; if every replica had it, say so as one server would
                 return reply(answers[loaded[0]] if loaded else answers[0])
             for i in loaded:  # all or nothing: take it back where it went in

@@ -122,8 +122,7 @@ def build_samples(groups, run, cfg):  # one Sample per completion, with its grou
 
 
 def policy_tol(cfg, run) -> float:  # bf16 rounds more: honest max gaps f32 9e-7, bf16 6e-3, mixed 0.03 (bench_honest_gap)
-    same = cfg.dtype == run.generator_dtype
-    return cfg.policy_check_tol * (1 if same and cfg.dtype == "float32" else 10 if same else 30)
+    return cfg.policy_check_tol * (30 if cfg.dtype != run.generator_dtype else 1 if cfg.dtype == "float32" else 10)
 
 
 def audit(model, groups, weights_of, run, cfg, device) -> list:
@@ -140,14 +139,13 @@ def audit(model, groups, weights_of, run, cfg, device) -> list:
         mine = [g for g in groups if g.policy_version == v]
         samples = build_samples(mine, run, cfg)[0]
         owner, gap = {id(s): i // run.group_size for i, s in enumerate(samples)}, [0.0] * len(mine)
-        tokens = [sum(map(len, g.completion_ids)) for g in mine]
         with torch.no_grad():
             for mb in micro_batches(samples, cfg.micro_batch_tokens):
                 inputs, batch = collate(mb, device)
                 logp = packed_logprobs(model, *inputs, run.temperature)[0]  # (b, T)
                 for s, d in zip(mb, ((logp - batch.behav).abs() * batch.mask).sum(1).tolist()):
                     gap[owner[id(s)]] += d
-        caught += [(g, gap[i] / tokens[i], tol) for i, g in enumerate(mine) if gap[i] > tol * tokens[i]]
+        caught += [(g, gap[i] / n, tol) for i, g in enumerate(mine) if gap[i] > tol * (n := sum(map(len, g.completion_ids)))]
     load_lora_state_dict(model, current)
     return caught
 
@@ -252,8 +250,7 @@ def check_settings(saved: dict, cfg) -> list[str]:  # what a resume must keep (t
 def resume(storage, model, optimizer, cfg, committed) -> dict | None:
     """Load the newest intact checkpoint of `committed` (None: all) into model and optimizer: its state, None: a new run."""
     state, skipped = load_checkpoint(storage, model, optimizer, committed)
-    for s in skipped:
-        print(f"skipped checkpoint {s}", flush=True)
+    print("".join(f"skipped checkpoint {s}\n" for s in skipped), end="", flush=True)
     if state is None and any("damaged" in s for s in skipped):
         raise SystemExit(f"no intact checkpoint in {storage.url('checkpoints')} (see above); restore one or start a "
                          f"new run with another --run_dir")

@@ -86,8 +86,7 @@ class TorchEngine:
         cache.reorder_cache(src)
         ids, mask, pos = ids[src], mask[src], pos[src]  # (B, L)
         sampler = self.sampler(rows, ids, mask)
-        done = torch.zeros(B, dtype=torch.bool, device=self.device)  # (B,) ended, by a stop or by the limit
-        stopped = done.clone()  # (B,) ended by a stop
+        done, stopped = torch.zeros(2, B, dtype=torch.bool, device=self.device)  # (B,) each: ended (a stop, the limit), stopped
         tokens, logps, alive, check = [], [], [], 1 if self.device.type == "cpu" else 16
         for t in range(int(limit.max())):
             logp_all = sampler(logits, t)  # (B, V) what is sampled from

@@ -34,8 +34,7 @@ def advantages(rewards: torch.Tensor, G: int, scale_rewards: bool = True, eps: f
 
 def zero_std_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
     """(N,) bool: which groups have all-equal rewards (no learning signal; DAPO drops them)."""
-    r = rewards.view(-1, G)
-    return (r == r[:, :1]).all(1)
+    return (rewards.view(-1, G) == rewards.view(-1, G)[:, :1]).all(1)
 
 
 @dataclass

@@ -42,10 +42,12 @@ def error(status: int, message: str, kind: str = "BadRequestError", param: str |
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status)
 
 
-def root_of(models: bytes | str, name: str = "") -> str | None:
-    """The path a /v1/models answer serves `name` from ("": the base model, the card without a parent), else None."""
+def card_of(models: bytes | str, name: str = "") -> dict:
+    """A /v1/models answer's card of `name` ("": the base model's, the one without a parent): {} if there is none.
+    Its "root" is the path it is served from, a base model's card also gives max_model_len."""
     with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
-        return next((m.get("root") for m in json.loads(models)["data"] if m.get("id") == name or not (name or m.get("parent"))), None)
+        return next(m for m in json.loads(models)["data"] if m.get("id") == name or not (name or m.get("parent")))
+    return {}
 
 
 def parse_json(raw: bytes) -> dict:

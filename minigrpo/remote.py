@@ -28,9 +28,11 @@ class HttpEngine:
             return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(600, sock_connect=10), headers=P.bearer(api_key))
         self.session = self.loop.run_until_complete(session())
         atexit.register(self.close)  # however the process ends: an open session prints "Unclosed client session"
-        if (served := model and P.root_of(self.loop.run_until_complete(self._call("GET", "/v1/models"))[1])) and \
-                os.path.basename(served.rstrip("/")) != os.path.basename(model.rstrip("/")):  # vLLM loads any adapter
-            raise ServerError(f"{self.url} serves {served}, but this run trains {model}, and its adapters fit only that model")
+        # vLLM serves an adapter made for another model, and cuts a completion short at max_model_len: both silently
+        base = P.card_of(self.loop.run_until_complete(self._call("GET", "/v1/models"))[1]) if model else {}
+        if (root := base.get("root")) and os.path.basename(root.rstrip("/")) != os.path.basename(model.rstrip("/")):
+            raise ServerError(f"{self.url} serves {root}, but this run trains {model}, and its adapters fit only that model")
+        self.max_len = base.get("max_model_len") or float("inf")
 
     async def _call(self, method: str, path: str, body=None) -> tuple[int, str]:
         """(status, text), retrying transport errors and 5xx for up to retry_s: a starting or restarting server."""
@@ -55,7 +57,7 @@ class HttpEngine:
     async def _load(self, name: str, path: str):
         status, text = await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
         if status == 400 and P.LOADED in text:  # another generator was first: fine if /v1/models shows this path
-            if (there := P.root_of((await self._call("GET", "/v1/models"))[1], name)) != path:
+            if (there := P.card_of((await self._call("GET", "/v1/models"))[1], name).get("root")) != path:
                 raise ServerError(f"{self.url} already serves {name} from {there}, not from {path}")
         elif status != 200:
             raise ServerError(f"{self.url} refused to load {name} from {path}: {status} {text[:300]}")
@@ -71,6 +73,9 @@ class HttpEngine:
 
     async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
         name, path = self.loaded[self.version]
+        if len(prompt) + sp.max_tokens > self.max_len:
+            raise ServerError(f"{self.url} takes at most {self.max_len} tokens (its max_model_len), fewer than a prompt of "
+                              f"{len(prompt)} + max_new_tokens {sp.max_tokens}: start the replicas with a larger --max-model-len")
         body = {"model": name, "prompt": prompt, "n": sp.n, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
                 "top_p": 1.0, "top_k": 0, "logprobs": 0, "return_token_ids": True, "seed": sp.seed}
         async with self.inflight:

@@ -79,8 +79,7 @@ def fault(point: str, step: int):
 def create_run(storage, settings: RunSettings, grader: str = "") -> dict:  # grader: the one that must score every group
     if not storage.exists("run.json"):
         if storage.list("adapters") or storage.list("checkpoints"):
-            raise SystemExit(f"{storage.url('run.json')} is missing but the run has adapters or checkpoints: "
-                             f"restore run.json, or start a new run with another --run_dir.")
+            raise SystemExit(f"{storage.url('run.json')} is missing but the run has adapters or checkpoints: restore it, or use another --run_dir.")
         run = asdict(settings) | {"run_id": uuid.uuid4().hex[:8], "created": time.time(), "grader": grader}
         storage.put("run.json", json.dumps(run, indent=2))
     return join_run(storage, settings)

@@ -44,11 +44,10 @@ def last_boxed(text: str) -> str | None:  # what the last \boxed{...} (or \fbox{
     if start < 0:
         return None
     i, depth = text.index("{", start), 0
-    for j in range(i, len(text)):
+    for j in range(i, len(text)):  # unbalanced (cut off before the answer closed): None
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i + 1:j]
-    return None  # unbalanced: cut off before the answer closed
 
 
 def answer_of(text: str, answer_format: str = "boxed") -> str | None:

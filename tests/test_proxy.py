@@ -258,13 +258,22 @@ def test_http_engine_catches_a_replica_serving_other_weights_under_the_name(flee
     second.close()
 
 
-def test_http_engine_refuses_replicas_of_another_base_model_before_it_loads_anything(fleet, tmp_path):
+def test_http_engine_refuses_another_base_model_and_requests_past_the_replicas_context(fleet, tmp_path):
     """vLLM loads an adapter made for another model and serves it (SmolLM2 took the demo's). The http engine
-    compares the base model the server lists (its card without a parent) with the run's before any load."""
+    compares the base model the server lists (its card without a parent) with the run's before any load; and vLLM
+    cuts a completion short at max_model_len without a word, so the engine refuses a request that would not fit."""
     import shutil
 
     from minigrpo.model import DEMO_MODEL
     other = shutil.copytree(DEMO_MODEL, tmp_path / "other_model")  # the same weights in a folder of another name
     with pytest.raises(ServerError, match=f"serves {DEMO_MODEL}, but this run trains {other}, and its adapters fit"):
         HttpEngine(fleet["proxy"], CLIENT, retry_s=5, model=str(other))
-    HttpEngine(fleet["proxy"], CLIENT, retry_s=5, model=DEMO_MODEL + "/").close()  # the same folder: no complaint
+    engine = HttpEngine(fleet["proxy"], CLIENT, retry_s=5, model=DEMO_MODEL + "/")  # the same folder: no complaint
+    limit = call("GET", fleet["replicas"][0] + "/v1/models", key=UPSTREAM)[2]["data"][0]["max_model_len"]
+    save_random_adapter(tmp_path / "policy-len-v000000", seed=7)
+    engine.load_adapter(0, str(tmp_path / "policy-len-v000000"))
+    assert len(engine.generate([PROMPT], SamplingParams(n=2, max_tokens=limit - len(PROMPT)))[0]) == 2
+    with pytest.raises(ServerError, match=f"takes at most {limit} tokens \\(its max_model_len\\), fewer than a prompt "
+                       f"of {len(PROMPT)} \\+ max_new_tokens {limit - len(PROMPT) + 1}: start the replicas with a larger"):
+        engine.generate([PROMPT], SamplingParams(n=2, max_tokens=limit - len(PROMPT) + 1))  # vLLM would cut it short
+    engine.close()

@@ -245,23 +245,45 @@ def test_the_proxys_adapter_rules_hold_on_real_vllm(replicas, proxy, tmp_path):
     assert roots("two") == [None, p2]
 
 
+def published_run(run_dir, **settings) -> str:
+    """A run directory whose trainer published version 0 (B = 0) and then went quiet: its run id."""
+    from minigrpo.run import RunSettings, create_run
+    rid = create_run(Storage(str(run_dir)), RunSettings(**settings), "exact match")["run_id"]
+    random_adapter(run_dir / "adapters" / f"policy-{rid}-v000000", seed=5)
+    Storage(str(run_dir)).put("adapters/LATEST", f"policy-{rid}-v000000\n")
+    return rid
+
+
+def lone_generator(run_dir, proxy: str, *more) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "generate.py", "--run_dir", str(run_dir), *more,
+                           *http_generator(proxy, "lone")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 def test_a_run_of_another_model_loads_nothing_on_real_vllm(replicas, proxy, tmp_path):
     """vLLM loads an adapter made for another model with a 200 and serves it (SmolLM2 took the demo's 2 layers of
     width 384). generate.py's http engine compares the replicas' base model with the run's first: a run of another
     model stops with one line, and no replica loads any of its adapters."""
     import shutil
-
-    from minigrpo.run import RunSettings, create_run
     other = str(shutil.copytree(MODEL, tmp_path / "other_model"))  # another folder name: another model, as far as names go
     assert requests.get(replicas[0].url + "/v1/models", timeout=30).json()["data"][0]["root"] == MODEL
-    storage = Storage(str(tmp_path / "run"))
-    rid = create_run(storage, RunSettings(model=other), "exact match")["run_id"]
-    random_adapter(tmp_path / "run" / "adapters" / f"policy-{rid}-v000000", seed=5)
-    storage.put("adapters/LATEST", f"policy-{rid}-v000000\n")
-    gen = subprocess.run([sys.executable, "generate.py", "--run_dir", str(tmp_path / "run"), "--model", other,
-                          *http_generator(proxy, "other")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    rid = published_run(tmp_path / "run", model=other)
+    gen = lone_generator(tmp_path / "run", proxy, "--model", other)
     assert gen.returncode == 1 and f"serves {MODEL}, but this run trains {other}, and its adapters fit" in gen.stderr
     assert "Traceback" not in gen.stderr and all(r.loaded(rid) == [] for r in replicas), gen.stderr
+
+
+def test_a_completion_past_the_replicas_context_stops_the_generator_naming_the_limit(replicas, proxy, tmp_path):
+    """The replicas take 64 tokens (--max-model-len 64). vLLM answers a 6-token prompt with max_tokens 60 by a 200
+    and 58 tokens, finish_reason "length", as if max_tokens had been reached; the generator refuses first, naming
+    the limit, and writes no group."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, "return_token_ids": True}
+    status, _, out = post(replicas[0].url + "/v1/completions", body)
+    assert status == 200 and [(c["finish_reason"], len(c["token_ids"])) for c in out["choices"]] == [("length", 58)]
+    published_run(tmp_path / "run", model=MODEL, max_new_tokens=60)
+    gen = lone_generator(tmp_path / "run", proxy, "--model", MODEL, "--max_new_tokens", "60")
+    assert gen.returncode == 1 and "takes at most 64 tokens (its max_model_len), fewer than a prompt of" in gen.stderr
+    assert "--max-model-len" in gen.stderr and "Traceback" not in gen.stderr, gen.stderr
+    assert Storage(str(tmp_path / "run")).list("rollouts") == []
 
 
 def test_http_engine_reloads_what_a_restarted_replica_forgot(replicas, proxy, tmp_path):
