@@ -46,7 +46,7 @@ def card_of(models: bytes | str, name: str = "") -> dict:
     """A /v1/models answer's card of `name` ("": the base model's, the one without a parent): {} if there is none.
     Its "root" is the path it is served from, a base model's card also gives max_model_len."""
     with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
-        return next(m for m in json.loads(models)["data"] if m.get("id") == name or not (name or m.get("parent")))
+        return next((m for m in json.loads(models)["data"] if m.get("id") == name or not (name or m.get("parent"))), {})
     return {}
 
 

@@ -277,3 +277,13 @@ def test_http_engine_refuses_another_base_model_and_requests_past_the_replicas_c
                        f"of {len(PROMPT)} \\+ max_new_tokens {limit - len(PROMPT) + 1}: start the replicas with a larger"):
         engine.generate([PROMPT], SamplingParams(n=2, max_tokens=limit - len(PROMPT) + 1))  # vLLM would cut it short
     engine.close()
+
+
+def test_card_of_finds_the_base_card_or_a_name_and_anything_else_is_no_card():
+    from minigrpo.protocol import card_of
+    models = b'{"data": [{"id": "base", "root": "/m", "parent": null, "max_model_len": 64}, ' \
+             b'{"id": "a", "root": "/a", "parent": "base"}]}'
+    assert card_of(models) == {"id": "base", "root": "/m", "parent": None, "max_model_len": 64}
+    assert card_of(models, "a")["root"] == "/a" and card_of(models, "b") == {}
+    for bad in (b'{"data": []}', b'{"data": [{"id": "a", "parent": "base"}]}', b"not json", b'{"data": 3}', b"[1]"):
+        assert card_of(bad) == {}, bad
