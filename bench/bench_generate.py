@@ -67,7 +67,7 @@ def compare(name, model, batch, prompt_len, new_tokens):
             "forward_share": spent["forward"] / total}
 
 
-def vllm_worker(model_path: str, max_prompt_len: int, max_new_tokens: int):
+def vllm_worker(model_path: str, max_prompt_len: int, max_new_tokens: int, full: bool = False):
     """In the vLLM environment: vLLM's offline engine on model_path with a replica's settings (runtime LoRA, a rank-8
     adapter of zeros as version 0 is, processed log-probs, float32), answering one JSON line of prompts on stdin with
     the seconds and tokens of one generate() call, every sampled token's log-prob read."""
@@ -84,7 +84,8 @@ def vllm_worker(model_path: str, max_prompt_len: int, max_new_tokens: int):
     adapter = os.path.join(tempfile.mkdtemp(), "policy-bench-v000000")
     Storage(str(adapter)).put_many(adapter_files(lora_state_dict(model), adapter_config(8, 16, DEFAULT_TARGETS, model_path)))
     lora = LoRARequest("policy-bench-v000000", 1, adapter)
-    params = vllm.SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_new_tokens, logprobs=0)
+    params = vllm.SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_new_tokens, logprobs=0,
+                                 ignore_eos=full)  # full: every row to max_new_tokens
     print("@@ready", flush=True)  # vLLM prints to stdout too: the bench reads only lines that start with @@
     for line in sys.stdin:
         t0 = time.perf_counter()
@@ -94,13 +95,14 @@ def vllm_worker(model_path: str, max_prompt_len: int, max_new_tokens: int):
         print("@@" + json.dumps([time.perf_counter() - t0, sum(map(len, logprobs))]), flush=True)  # one per token
 
 
-def against_vllm(name, path, batch, prompt_len, new_tokens, runs=3):
-    """Tokens per second of the torch engine (here) and of vLLM (a worker in .venv-vllm), in turns."""
+def against_vllm(name, path, batch, prompt_len, new_tokens, runs=3, full=False):
+    """Tokens per second of the torch engine (here) and of vLLM (a worker in .venv-vllm), in turns; both stop at id 0
+    (the demo's EOS), or with `full` run every row to the full length (no stop token)."""
     model, _ = load_model(path, torch.device("cpu"))
     inject_lora(model, 8, 16)
-    engine = TorchEngine(model, stop_ids=[0], pad_id=0)  # both stop at EOS (id 0), as vLLM does
+    engine = TorchEngine(model, stop_ids=[] if full else [0], pad_id=0)
     worker = subprocess.Popen([os.path.join(ROOT, ".venv-vllm", "bin", "python"), __file__, "--vllm_worker", path,
-                               str(prompt_len), str(new_tokens)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               str(prompt_len), str(new_tokens), str(int(full))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
                               start_new_session=True)  # its group holds vLLM's engine processes too
     def answer() -> str:
@@ -143,16 +145,16 @@ def mid_model():
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--vllm_worker"]:
-        vllm_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        vllm_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:6] == ["1"])
         sys.exit()
     if sys.argv[1:2] == ["--real"]:
         real, _ = load_model(sys.argv[2], torch.device("cpu"))
-        rows = [compare("SmolLM2-135M", real, 32, 40, 48), against_vllm("SmolLM2-135M", sys.argv[2], 32, 40, 48)]
+        rows = [compare("SmolLM2-135M", real, 32, 40, 48), against_vllm("SmolLM2-135M", sys.argv[2], 32, 40, 48, full=True)]
         runs = {"vllm": rows[1].pop("runs")}
         report("generation_real", rows, extra={"runs": runs},
                notes="row 1: the torch engine against transformers' model.generate (median of 3 interleaved runs, "
                      "every row to the full length); row 2: against vLLM (vllm-cpu 0.32.0, offline API, float32, a "
-                     "rank-8 adapter), mean +- sd of 3 interleaved runs, both stopping at id 0; 2 torch threads")
+                     "rank-8 adapter), mean +- sd of 3 interleaved runs; every row to the full length on both; 2 torch threads")
         sys.exit()
     if sys.argv[1:2] == ["--vllm"]:
         from tokenizers import Tokenizer, models
