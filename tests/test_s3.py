@@ -45,3 +45,23 @@ def test_a_missing_bucket_is_one_clear_line(s3_endpoint):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "cannot write s3://no-such-bucket-here/run/owner.json" in out.stderr and "bucket does not exist" in out.stderr
+
+
+def test_a_read_on_s3_is_one_request_whatever_its_size(s3_bucket):
+    """A bucket charges, and a run waits, per request: get() and versioned() read an object in one GET (s3fs would
+    first ask for its size with a HEAD, to split a large one), and a missing object is still FileNotFoundError."""
+    import pytest
+    storage = Storage(f"{s3_bucket}/run")
+    storage.put_many({"small": b"x" * 10, "large": bytes(range(256)) * 40_000})  # 10 MB: past s3fs's 5 MiB block
+    calls, call_s3 = [], storage.fs._call_s3
+
+    async def counted(method, *args, **kwargs):
+        calls.append(method)
+        return await call_s3(method, *args, **kwargs)
+    storage.fs._call_s3 = counted
+    assert storage.get("small") == b"x" * 10 and storage.get("large") == bytes(range(256)) * 40_000
+    assert calls == ["get_object", "get_object"]
+    calls.clear()
+    assert storage.versioned("small")[0] == b"x" * 10 and calls == ["head_object", "get_object"]
+    with pytest.raises(FileNotFoundError):
+        storage.get("absent")
