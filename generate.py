@@ -85,9 +85,9 @@ def main():
         inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
         engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, rng.getrandbits(63))
     else:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model(run.model))
+        tokenizer = AutoTokenizer.from_pretrained(folder := resolve_model(run.model))
         api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
-        engine = HttpEngine(cfg.url, api_key, cfg.max_inflight, run.max_staleness + 1, model=resolve_model(run.model))
+        engine = HttpEngine(cfg.url, api_key, cfg.max_inflight, run.max_staleness + 1, model=folder)
     sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
     buffer, store = RolloutBuffer(storage, meta["run_id"]), AdapterStore(storage, meta["run_id"])
     shown = asdict(cfg) | {"api_key": "***" if cfg.api_key else ""}  # a secret: neither printed nor tracked

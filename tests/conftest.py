@@ -108,6 +108,22 @@ def save_random_adapter(path, r=2, alpha=4.0, seed=0, targets=None, use_rslora=F
     return model
 
 
+def publish_v0(run_dir, settings=None):
+    """What the trainer does first: run.json and the untrained adapter (B = 0) as version 0. Returns its AdapterStore."""
+    from minigrpo.adapters import AdapterStore
+    from minigrpo.lora import DEFAULT_TARGETS, adapter_config, inject_lora, lora_state_dict
+    from minigrpo.model import load_model
+    from minigrpo.run import RunSettings, create_run
+    from minigrpo.storage import Storage
+    storage = Storage(str(run_dir))
+    store = AdapterStore(storage, create_run(storage, settings or RunSettings())["run_id"])
+    model, _ = load_model("demo", torch.device("cpu"))
+    inject_lora(model, 8, 16.0, DEFAULT_TARGETS)
+    store.write(0, lora_state_dict(model), adapter_config(8, 16.0, DEFAULT_TARGETS, "demo"))
+    store.set_latest(0, keep=5)
+    return store
+
+
 # ---- run directories ----
 def train_records(run_dir: str) -> list[dict]:
     """The trainer's step records that stand (a step redone after a crash: its last record), steps 1.."""

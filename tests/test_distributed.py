@@ -13,8 +13,7 @@ import torch
 from conftest import ROOT, free_port
 from safetensors.torch import load_file
 
-from conftest import train_records
-from test_faults import publish_v0
+from conftest import publish_v0, train_records
 
 from minigrpo.run import RunSettings
 

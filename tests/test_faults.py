@@ -14,12 +14,9 @@ import time
 import http.server
 
 import pytest
-import torch
-from conftest import ROOT, call, free_port, gen_records, start, train_records
+from conftest import ROOT, call, free_port, gen_records, publish_v0, start, train_records
 
-from minigrpo.adapters import AdapterStore
-from minigrpo.lora import DEFAULT_TARGETS, adapter_config, adapter_digest, inject_lora, lora_state_dict
-from minigrpo.model import load_model
+from minigrpo.lora import DEFAULT_TARGETS, adapter_config, adapter_digest
 from minigrpo.rollouts import RolloutBuffer, read_group
 from minigrpo.run import RunSettings, create_run
 from minigrpo.storage import Storage
@@ -30,17 +27,6 @@ def py(*args, log=None, env=None):
     out = open(log, "w") if log else subprocess.DEVNULL
     return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
-
-
-def publish_v0(run_dir, settings=RunSettings()) -> AdapterStore:
-    """What the trainer does first: run.json and the untrained adapter as version 0."""
-    storage = Storage(run_dir)
-    store = AdapterStore(storage, create_run(storage, settings)["run_id"])
-    model, _ = load_model("demo", torch.device("cpu"))
-    inject_lora(model, 8, 16.0, DEFAULT_TARGETS)
-    store.write(0, lora_state_dict(model), adapter_config(8, 16.0, DEFAULT_TARGETS, "demo"))
-    store.set_latest(0, keep=5)
-    return store
 
 
 def generated_groups(run_dir, batches: int) -> list:

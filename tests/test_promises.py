@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, tiny_model, train_records
-from test_faults import generated_groups, publish_v0
+from conftest import ROOT, publish_v0, tiny_model, train_records
+from test_faults import generated_groups
 from test_rundir import RUN, make_group
 from test_train_step import sequences
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, save_random_adapter, tiny_model, train_records
-from test_faults import generated_groups, publish_v0
+from conftest import ROOT, publish_v0, save_random_adapter, tiny_model, train_records
+from test_faults import generated_groups
 from test_train_step import sequences
 
 from minigrpo.engine import TorchEngine

@@ -22,12 +22,13 @@ import time
 import pytest
 import requests
 import torch
-from conftest import ROOT, eval_records, free_port, gen_records, start, train_records
+from conftest import ROOT, eval_records, free_port, gen_records, publish_v0, start, train_records
 
 from minigrpo.engine import SamplingParams
 from minigrpo.model import DEMO_MODEL
 from minigrpo.protocol import already_loaded
 from minigrpo.remote import HttpEngine
+from minigrpo.run import RunSettings
 from minigrpo.storage import Storage
 
 VLLM_PYTHON = os.environ.get("MINIGRPO_VLLM_PYTHON") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
@@ -245,15 +246,6 @@ def test_the_proxys_adapter_rules_hold_on_real_vllm(replicas, proxy, tmp_path):
     assert roots("two") == [None, p2]
 
 
-def published_run(run_dir, **settings) -> str:
-    """A run directory whose trainer published version 0 (B = 0) and then went quiet: its run id."""
-    from minigrpo.run import RunSettings, create_run
-    rid = create_run(Storage(str(run_dir)), RunSettings(**settings), "exact match")["run_id"]
-    random_adapter(run_dir / "adapters" / f"policy-{rid}-v000000", seed=5)
-    Storage(str(run_dir)).put("adapters/LATEST", f"policy-{rid}-v000000\n")
-    return rid
-
-
 def lone_generator(run_dir, proxy: str, *more) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "generate.py", "--run_dir", str(run_dir), *more,
                            *http_generator(proxy, "lone")], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -266,7 +258,7 @@ def test_a_run_of_another_model_loads_nothing_on_real_vllm(replicas, proxy, tmp_
     import shutil
     other = str(shutil.copytree(MODEL, tmp_path / "other_model"))  # another folder name: another model, as far as names go
     assert requests.get(replicas[0].url + "/v1/models", timeout=30).json()["data"][0]["root"] == MODEL
-    rid = published_run(tmp_path / "run", model=other)
+    rid = publish_v0(tmp_path / "run", RunSettings(model=other)).run_id  # a trainer that published v0, then went quiet
     gen = lone_generator(tmp_path / "run", proxy, "--model", other)
     assert gen.returncode == 1 and f"serves {MODEL}, but this run trains {other}, and its adapters fit" in gen.stderr
     assert "Traceback" not in gen.stderr and all(r.loaded(rid) == [] for r in replicas), gen.stderr
@@ -279,7 +271,7 @@ def test_a_completion_past_the_replicas_context_stops_the_generator_naming_the_l
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, "return_token_ids": True}
     status, _, out = post(replicas[0].url + "/v1/completions", body)
     assert status == 200 and [(c["finish_reason"], len(c["token_ids"])) for c in out["choices"]] == [("length", 58)]
-    published_run(tmp_path / "run", model=MODEL, max_new_tokens=60)
+    publish_v0(tmp_path / "run", RunSettings(model=MODEL, max_new_tokens=60))
     gen = lone_generator(tmp_path / "run", proxy, "--model", MODEL, "--max_new_tokens", "60")
     assert gen.returncode == 1 and "takes at most 64 tokens (its max_model_len), fewer than a prompt of" in gen.stderr
     assert "--max-model-len" in gen.stderr and "Traceback" not in gen.stderr, gen.stderr
