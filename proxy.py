@@ -57,11 +57,10 @@ class Proxy:
 
     async def send(self, i: int, request: web.Request, path="", method="", body=b"") -> Answer:
         """The client's request to replica i (or, with `path`, one of the proxy's own), less HOP_HEADERS."""
-        url = self.upstreams[i] + (path or request.path)
-        body = body if path else await request.read()  # the proxy's own body, or the client's
+        path, body = (path, body) if path else (request.path, await request.read())  # the proxy's own request, or the client's
         self.inflight[i] += 1
         try:
-            async with self.session.request(method or request.method, url, params=request.query, data=body,
+            async with self.session.request(method or request.method, self.upstreams[i] + path, params=request.query, data=body,
                                             headers=forwardable(request.headers) | self.auth) as r:
                 return Answer(r.status, await r.read(), forwardable(r.headers))
         except asyncio.TimeoutError:
@@ -81,8 +80,7 @@ class Proxy:
     async def forward(self, request: web.Request, first: int | None = None):
         """To replica `first`, else the least busy; the next one only if it cannot be reached at all."""
         for i in sorted(range(len(self.upstreams)), key=lambda i: (i != first, self.inflight[i])):
-            answer = await self.send(i, request)
-            if not answer.unreachable:
+            if not (answer := await self.send(i, request)).unreachable:
                 break
         return reply(answer, {"X-Proxy-Upstream": str(i)})
 
@@ -99,11 +97,9 @@ class Proxy:
 
         async def load(i):  # retry while the replica cannot see the directory yet
             deadline = time.time() + self.cfg.load_timeout_s
-            while True:
-                a = await self.send(i, request)
-                if a.status == 200 or P.NO_ADAPTER.encode() not in a.body or time.time() > deadline:
-                    return a
+            while (a := await self.send(i, request)).status != 200 and P.NO_ADAPTER.encode() in a.body and time.time() <= deadline:
                 await asyncio.sleep(self.cfg.retry_s)
+            return a
 
         async with self.loading[name]:
             answers = await asyncio.gather(*(load(i) for i in range(len(self.upstreams))))

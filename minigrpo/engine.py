@@ -80,9 +80,8 @@ class TorchEngine:
         limit = per_row(rows, "max_tokens", self.device, torch.long)
         gens = {r: torch.Generator(self.device).manual_seed(sp.seed + i) for r, (_, sp, i) in enumerate(rows)
                 if sp.seed is not None}
-        cache = DynamicCache()
 
-        logits = self._forward(ids, mask, pos, cache)[src]  # (B, V)
+        logits = self._forward(ids, mask, pos, cache := DynamicCache())[src]  # (B, V)
         cache.reorder_cache(src)
         ids, mask, pos = ids[src], mask[src], pos[src]  # (B, L)
         sampler = self.sampler(rows, ids, mask)
@@ -107,6 +106,5 @@ class TorchEngine:
 
         tokens, logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (B, T)
         lengths, stopped = torch.stack(alive, 1).sum(1).tolist(), stopped.tolist()
-        out = iter([sampler.completion(r, tokens[r][:n], logps[r][:n], stopped[r], self.digest)
-                    for r, n in enumerate(lengths)])
+        out = iter([sampler.completion(r, tokens[r][:n], logps[r][:n], stopped[r], self.digest) for r, n in enumerate(lengths)])
         return [[next(out) for _ in range(sp.n)] for sp in params]

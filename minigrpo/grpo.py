@@ -26,9 +26,7 @@ def advantages(rewards: torch.Tensor, G: int, scale_rewards: bool = True, eps: f
     if G < 2:
         raise ValueError(f"GRPO needs at least 2 completions per group, got G={G}")
     r = rewards.double().view(-1, G)  # (N, G), float64: a huge finite reward cannot overflow the mean or std
-    adv = r - r.mean(1, keepdim=True)  # (N, G)
-    if scale_rewards:
-        adv = adv / (r.std(1, keepdim=True) + eps)  # unbiased std (ddof=1), the majority convention
+    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps if scale_rewards else 1)  # ddof=1, the majority convention
     return torch.where(zero_std_groups(r, G)[:, None], 0.0, adv).view(-1).float()
 
 
@@ -83,9 +81,8 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
     with torch.no_grad():  # health signals over valid tokens
         valid = mask.bool()
         r, A_tok = ratio[valid], A.expand_as(ratio)[valid]  # (N,) each
-        metrics = {"tokens": valid.sum().item(),
-                   "ratio/mean": r.mean().item(), "ratio/min": r.min().item(), "ratio/max": r.max().item(),
-                   "clip_ratio/low": ((r < 1 - cfg.eps_low) & (A_tok < 0)).float().mean().item(),
+        metrics = {"tokens": valid.sum().item(), "ratio/mean": r.mean().item(), "ratio/min": r.min().item(),
+                   "ratio/max": r.max().item(), "clip_ratio/low": ((r < 1 - cfg.eps_low) & (A_tok < 0)).float().mean().item(),
                    "clip_ratio/high": ((r > 1 + cfg.eps_high) & (A_tok > 0)).float().mean().item()}
         if cfg.tis_cap is not None:
             metrics |= {"is/mean": is_ratio[valid].mean().item(),

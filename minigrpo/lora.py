@@ -46,9 +46,8 @@ class LowPrecisionInput(torch.autograd.Function):
     def backward(ctx, grad_h):  # (..., r), in A's dtype even if autocast ran the forward in another
         x, A = ctx.saved_tensors
         grad_h, (r, n) = grad_h.to(A.dtype), A.shape
-        grad_x = (grad_h @ A).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_A = grad_h.reshape(-1, r).T @ x.reshape(-1, n).to(A.dtype) if ctx.needs_input_grad[1] else None  # (r, in)
-        return grad_x, grad_A
+        return ((grad_h @ A).to(x.dtype) if ctx.needs_input_grad[0] else None,  # grad_x
+                grad_h.reshape(-1, r).T @ x.reshape(-1, n).to(A.dtype) if ctx.needs_input_grad[1] else None)  # grad_A (r, in)
 
 
 def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:
@@ -90,8 +89,7 @@ def check_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int):
         raise ValueError(f"expected target modules in {targets} but received {unknown[:3]}. "
                          "Please verify that the loaded LoRA module is correct")
     for name, layer in layers.items():
-        A, B = (state.get(f"{PEFT_PREFIX}{name}.lora_{ab}.weight") for ab in "AB")
-        got = [None if w is None else tuple(w.shape) for w in (A, B)]  # lora_A, lora_B shapes
+        got = [None if (w := state.get(f"{PEFT_PREFIX}{name}.lora_{ab}.weight")) is None else tuple(w.shape) for ab in "AB"]
         if got != [None, None] and (r > layer.r or got != [(r, layer.base.in_features), (layer.base.out_features, r)]):
             raise ValueError(f"{name}: lora_A {got[0]} and lora_B {got[1]} do not fit rank {r} of a "
                              f"{layer.base.in_features}->{layer.base.out_features} layer")
@@ -113,17 +111,15 @@ def apply_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int, scal
 
 def adapter_config(r: int, alpha: float, targets, base_model: str, use_rslora: bool = False) -> dict:
     """The adapter_config.json PEFT writes for a LoRA (vLLM reads r, lora_alpha, target_modules, use_rslora)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": r,
-            "lora_alpha": alpha, "target_modules": sorted(targets), "lora_dropout": 0.0, "bias": "none",
-            "fan_in_fan_out": False, "use_rslora": use_rslora, "use_dora": False, "modules_to_save": None,
-            "init_lora_weights": True, "inference_mode": True}
+    return dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_model, r=r, lora_alpha=alpha,
+                target_modules=sorted(targets), lora_dropout=0.0, bias="none", fan_in_fan_out=False, use_rslora=use_rslora,
+                use_dora=False, modules_to_save=None, init_lora_weights=True, inference_mode=True)
 
 
 def adapter_files(state: dict[str, torch.Tensor], config: dict) -> dict[str, bytes]:
     """A PEFT adapter directory as {file name: bytes}, the weights last: a version is complete once they exist."""
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
-    return {"adapter_config.json": json.dumps(config, indent=2).encode(),
-            "adapter_model.safetensors": save(tensors, metadata={"format": "pt"})}
+    return {"adapter_config.json": json.dumps(config, indent=2).encode(), "adapter_model.safetensors":
+            save({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}, metadata={"format": "pt"})}
 
 
 def adapter_digest(weights: bytes) -> str:  # policy attribution: names the exact weights that sampled a completion
@@ -158,10 +154,9 @@ def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor], str]:
     except FileNotFoundError:
         raise ValueError(f"{path} doesn't contain tensors") from None
     try:
-        tensors = load(weights)
+        return config, load(weights), adapter_digest(weights)
     except Exception as e:  # noqa: BLE001 -- safetensors raises its own error type for a corrupt file
         raise ValueError(f"{path}/adapter_model.safetensors cannot be read: {e}") from None
-    return config, tensors, adapter_digest(weights)
 
 
 def load_adapter(model: nn.Module, path: str) -> str:

@@ -76,9 +76,8 @@ def load_model(name: str, device: torch.device, dtype: str = "float32"):
     hf_logging.disable_progress_bar()  # one clean log line per step, no bars
     tokenizer = AutoTokenizer.from_pretrained(path := resolve_model(name))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=PACKED_SDPA)
-    model.to(device).eval().requires_grad_(False)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    return model, tokenizer
+    return model.to(device).eval().requires_grad_(False), tokenizer
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -147,6 +146,5 @@ def packed_logprobs(model, ids, pos, where, targets, temperature: float):  # ids
     hidden = model.base_model(input_ids=ids, position_ids=pos, use_cache=False,  # every layer gets the one plan
                               packed_plan=plan_packed_row(pos)).last_hidden_state[0]  # (N, H)
     valid = targets >= 0
-    logp, entropy = HeadLogprobs.apply(hidden[where[valid]], output_head(model).weight, targets[valid], temperature)
-    spread = lambda x: torch.zeros(where.shape, device=ids.device).index_put((valid,), x)  # noqa: E731 (B, T)
-    return spread(logp), spread(entropy)
+    return tuple(torch.zeros(where.shape, device=ids.device).index_put((valid,), x)  # (B, T): logp, then entropy
+                 for x in HeadLogprobs.apply(hidden[where[valid]], output_head(model).weight, targets[valid], temperature))

@@ -27,9 +27,8 @@ def micro_batches(samples, budget: int):
         for s in group:
             cost = [len(s.ids) - (len(p) if p in held else 0) for held in prompts] + [len(s.ids)]  # + a new one
             tried = sorted(range(len(batches)), key=lambda i: p not in prompts[i])  # those holding p first
-            i = next((i for i in tried if sizes[i] + cost[i] <= budget), len(batches))
-            if i == len(batches):  # none has room: a new one
-                batches, sizes, prompts = batches + [[]], sizes + [0], prompts + [set()]
+            if (i := next((j for j in tried if sizes[j] + cost[j] <= budget), len(batches))) == len(batches):  # none has room
+                batches, sizes, prompts = batches + [[]], sizes + [0], prompts + [set()]  # a new one
             batches[i].append(s)
             sizes[i] += cost[i]
             prompts[i].add(p)
@@ -44,11 +43,10 @@ def collate(samples, device, num_seqs=None, num_tokens=None):
     where, targets = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
     mask, behav, adv = torch.zeros(B, T), torch.zeros(B, T), torch.tensor([s.adv for s in samples])  # adv (B,)
     for i, s in enumerate(samples):
-        P, completion = s.prompt_len, s.ids[s.prompt_len:]
+        P, completion, n = s.prompt_len, s.ids[s.prompt_len:], len(s.ids) - s.prompt_len
         if s.ids[:P] != prompt:  # a new prompt
             prompt, last = s.ids[:P], len(ids) + P - 1
             ids, pos = ids + prompt, pos + list(range(P))
-        n = len(completion)
         where[i, :n] = torch.tensor([last] + list(range(len(ids), len(ids) + n - 1)))[:n]
         targets[i, :n], mask[i, :n], behav[i, :n] = torch.tensor(completion), 1, torch.tensor(s.behav)
         ids, pos = ids + completion, pos + list(range(P, P + n))

@@ -19,9 +19,8 @@ class ServerError(RuntimeError):
 
 class HttpEngine:
     def __init__(self, url: str, api_key="", max_inflight: int = 64, keep: int = 5, retry_s: float = 300.0, model=""):
-        self.url, self.keep, self.retry_s = url.rstrip("/"), keep, retry_s
+        self.url, self.keep, self.retry_s, self.inflight = url.rstrip("/"), keep, retry_s, asyncio.Semaphore(max_inflight)
         self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
-        self.inflight = asyncio.Semaphore(max_inflight)
         self.version, self.loaded = None, {}  # loaded: version -> (name, path)
 
         async def session():  # made inside the loop that uses it; a request may take up to 600 s
@@ -68,8 +67,7 @@ class HttpEngine:
         self.loop.run_until_complete(self._load(name, path))
         self.loaded[version], self.version = (name, path), version
         for old in [v for v in self.loaded if v <= version - self.keep]:  # left the staleness window; 404 is fine
-            unload = {"lora_name": self.loaded.pop(old)[0]}
-            self.loop.run_until_complete(self._call("POST", "/v1/unload_lora_adapter", unload))
+            self.loop.run_until_complete(self._call("POST", "/v1/unload_lora_adapter", {"lora_name": self.loaded.pop(old)[0]}))
 
     async def _complete(self, prompt: list[int], sp: SamplingParams) -> list[Completion]:
         name, path = self.loaded[self.version]
@@ -85,9 +83,8 @@ class HttpEngine:
                 status, text = await self._call("POST", "/v1/completions", body)
         if status != 200:
             raise ServerError(f"{self.url}/v1/completions answered {status}: {text[:300]}")
-        choices = sorted(json.loads(text)["choices"], key=lambda c: c["index"])
-        return [Completion(c["token_ids"], c["logprobs"]["token_logprobs"], "stop" if c["finish_reason"] == "stop"
-                           else "length", adapter_digest=c.get("adapter_digest") or "") for c in choices]
+        return [Completion(c["token_ids"], c["logprobs"]["token_logprobs"], "stop" if c["finish_reason"] == "stop" else "length",
+                           c.get("adapter_digest") or "") for c in sorted(json.loads(text)["choices"], key=lambda c: c["index"])]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         async def run():

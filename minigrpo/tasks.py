@@ -78,8 +78,7 @@ def json_line(path: str, i: int, line: bytes) -> dict:  # one row of a JSON Line
 class MathTask:
     def __init__(self, data: str, fields: str = "problem,answer", reasoning: bool = False, eval_fraction: float = 0.05,
                  answer_format: str = "boxed"):
-        self.answer_format = answer_format  # one grader scores a run: math-verify's version and the answer format
-        self.grader = f"math-verify {importlib.metadata.version('math-verify')}, {answer_format}"
+        self.answer_format, self.grader = answer_format, f"math-verify {importlib.metadata.version('math-verify')}, {answer_format}"
         if not data:
             raise SystemExit("--task math needs --task_data: a .jsonl or .parquet file, or hf://datasets/OWNER/NAME/FILE")
         problem_key, answer_key = fields.split(",")
