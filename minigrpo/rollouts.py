@@ -107,7 +107,8 @@ class Ledger:
 class RolloutBuffer:
     def __init__(self, storage, run_id: str = ""):
         self.storage, self.run_id, self.order = storage, run_id, {}  # order: unconsumed ids in the order first seen
-        self.seen, self.active = {}, {}  # each writer's last sequence number in the last listing; when it last grew
+        self.next, self.active = {}, {}  # each writer's first sequence number not yet listed (or read); when it last grew
+        self.full_at, self.found = 0.0, False  # when rollouts/ was last listed whole; whether the last listing found any
         self.reasons = collections.Counter()  # quarantines by kind ("ValueError: rewards"), for the trainer's stop line
 
     def write(self, groups: list[Group], writer: str, seq: int) -> list[str]:
@@ -117,18 +118,32 @@ class RolloutBuffer:
         self.storage.put_many({group_key(g.group_id): save(*to_tensors(g)) for g in groups}, create=True)
         return [g.group_id for g in groups]
 
-    def listed(self) -> list[str]:  # ids in rollouts/, consumed or not (the trainer publishes how many it consumed)
-        return [n.removesuffix(".safetensors") for n in self.storage.list("rollouts") if n.endswith(".safetensors")]
+    def listed(self, since: "dict | None" = None) -> list[str]:
+        """Ids in rollouts/, consumed or not (the trainer publishes how many it consumed). since {writer: n}: only each
+        writer's ids from sequence number n on, a listing each that on S3 starts there."""
+        names = self.storage.list("rollouts") if since is None else \
+            [name for w, n in since.items() for name in self.storage.list("rollouts", f"{w}-", f"{w}-{n:06d}")]
+        return [n.removesuffix(".safetensors") for n in names if n.endswith(".safetensors")]
 
     def take(self, n: int, ledger: Ledger, validate=lambda group: None, stats=None) -> list[Group]:
         """Up to n of the oldest groups the ledger has not seen, recorded in it; one that fails is quarantined."""
-        stats, seen = {} if stats is None else stats, {}
+        stats = {} if stats is None else stats
         if len(self.order) < n:  # list only if fewer than n are known to wait: a listing is a bucket's costly request
-            for gid in (listed := self.listed()):
-                seen[writer] = max(sequence_number(gid)[0], seen.get(writer := gid.rsplit("-", 1)[0], -1))
-            self.active |= {w: time.monotonic() for w, s in seen.items() if s > self.seen.get(w, -1)}
-            self.seen, new = seen, sorted((i for i in listed if i not in ledger.skip), key=sequence_number)
+            # A listing of rollouts/ grows with the consumed groups that wait for garbage collection, so on S3 it lists
+            # each known writer from its first id not yet seen on, and all only every 30 s (5 s while that finds
+            # nothing), to meet new writers (a restarted generator is one) and any id that sorts before where it looks.
+            if full := not self.storage.s3 or not self.next or time.monotonic() - self.full_at > 5 + 25 * self.found:
+                self.full_at = time.monotonic()
+            listed = self.listed(None if full else self.next)
+            new = sorted((i for i in listed if i not in ledger.skip), key=sequence_number)
             self.order.update(dict.fromkeys(new))  # new ones join the end by sequence number; known ones keep their place
+            first = {i.rsplit("-", 1)[0]: sequence_number(i)[0] for i in sorted(listed, key=sequence_number, reverse=True)}
+            after = {w: self.next.get(w, i) for w, i in first.items()} if full else dict(self.next)
+            for w, i in after.items():  # past every id listed or read: one written out of order is looked for again
+                while (gid := f"{w}-{i:06d}") in ledger.skip or gid in self.order:
+                    i = after[w] = i + 1
+            self.active |= {w: time.monotonic() for w, i in after.items() if i > self.next.get(w, 0)}
+            self.next, self.found = after, bool(new)
         groups = []
         while len(groups) < n and self.order:
             batch = list(self.order)[:n - len(groups)]  # the oldest, read together
@@ -153,8 +168,8 @@ class RolloutBuffer:
 
     def progress(self, window_s: float) -> dict:
         """Backpressure: groups waiting and each writer's last group at the last listing, writers active in window_s."""
-        now = time.monotonic()
-        return {"waiting": len(self.order), "seen": self.seen, "writers": sum(now - t < window_s for t in self.active.values())}
+        return {"waiting": len(self.order), "seen": {w: i - 1 for w, i in self.next.items()},
+                "writers": sum(time.monotonic() - t < window_s for t in self.active.values())}
 
     def quarantine(self, group_id: str, data: "bytes | Exception | Group", reason: str, stats: dict):
         """Keep the evidence in bad/ (under a name any store takes), then remove the entry from rollouts/."""

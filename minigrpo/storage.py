@@ -127,16 +127,23 @@ class Storage:
         with self._naming("look up", key):
             return self.fs.exists(f"{self.root}/{key}")
 
-    def list(self, prefix: str) -> list[str]:
-        """Sorted names directly under a prefix (a bucket's listing may lag a put; local temp files left out)."""
+    def list(self, prefix: str, begin: str = "", after: str = "") -> list[str]:
+        """Sorted names directly under a prefix (a bucket's listing may lag a put; local temp files left out), only
+        those that begin with `begin` and sort after `after`. On S3 the listing itself starts there (StartAfter), so its
+        cost does not grow with the names before it, and it returns the first 1,000: ask again after the last."""
         path = f"{self.root}/{prefix}".rstrip("/")
         with self._naming("list", prefix):
             try:  # a local listing through os is ten times cheaper than through fsspec
-                entries = os.listdir(path) if self.local else self.fs.ls(path, detail=False)
+                if self.s3 and after:  # s3fs cannot start a listing anywhere: boto's call, one page (up to 1,000 names)
+                    bucket, key, _ = self.fs.split_path(path)
+                    entries = [o["Key"] for o in self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{key}/{begin}",
+                                                                 StartAfter=f"{key}/{after}", Delimiter="/").get("Contents", [])]
+                else:
+                    entries = os.listdir(path) if self.local else self.fs.ls(path, detail=False)
             except (FileNotFoundError, NotADirectoryError):
                 return []
         names = (e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
-        return sorted(n for n in names if not (self.local and n.startswith(".")))
+        return sorted(n for n in names if not (self.local and n.startswith(".")) and n.startswith(begin) and n > after)
 
     def delete(self, key: "str | list[str]", recursive: bool = False):
         """Delete objects, or with recursive everything under a prefix; what is gone is fine."""

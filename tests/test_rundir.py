@@ -50,6 +50,9 @@ def test_storage_puts_gets_lists_and_deletes_whole_objects(storage):
     storage.put("a/b/y.txt", "text")
     assert storage.get("a/x.bin") == b"\x00\x01" and storage.list("a") == ["b", "x.bin"]
     assert storage.list("nothing/here") == [] and storage.exists("a/b/y.txt")
+    storage.put_many({"a/w-000001": b"1", "a/w-000002": b"2", "a/v-000003": b"3"})  # where a listing starts (S3: StartAfter)
+    assert storage.list("a", "w-", "w-000001") == ["w-000002"] and storage.list("a", "", "x") == ["x.bin"]
+    storage.delete(["a/w-000001", "a/w-000002", "a/v-000003"])
     storage.delete("a/b", recursive=True)
     storage.delete("a/gone.bin")  # deleting what is gone is fine
     assert storage.list("a") == ["x.bin"]

@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 from conftest import ROOT, train_records
+from test_rundir import make_group
 
-from minigrpo.rollouts import read_group
+from minigrpo.rollouts import Ledger, RolloutBuffer, read_group
 from minigrpo.storage import Storage
 
 
@@ -65,3 +66,30 @@ def test_a_read_on_s3_is_one_request_whatever_its_size(s3_bucket):
     assert storage.versioned("small")[0] == b"x" * 10 and calls == ["head_object", "get_object"]
     with pytest.raises(FileNotFoundError):
         storage.get("absent")
+
+
+def test_a_poll_on_s3_lists_only_what_is_new(s3_bucket):
+    """Consumed groups stay in rollouts/ until garbage collection, two checkpoints later: the trainer's listing must
+    not grow with them. It lists each known writer from its first unseen id on, and all of rollouts/ only now and
+    then, to meet new writers; a group written out of order (a batch's puts run concurrently) is still found."""
+    buffer, ledger = RolloutBuffer(Storage(f"{s3_bucket}/run"), "r1"), Ledger()
+    buffer.write([make_group() for _ in range(300)], "w", seq=0)
+    assert len(buffer.take(300, ledger)) == 300  # the first listing is whole
+    returned, call_s3 = [], buffer.storage.fs.call_s3
+
+    def counted(method, **kwargs):  # the keys each listing brought back
+        out = call_s3(method, **kwargs)
+        returned.append(len(out.get("Contents", [])))
+        return out
+    buffer.storage.fs.call_s3 = counted
+    buffer.write([make_group()], "w", seq=302)  # 300 and 301 still in flight
+    assert [g.group_id for g in buffer.take(8, ledger)] == ["w-000302"] and returned == [1]
+    buffer.write([make_group()], "w", seq=300)
+    buffer.write([make_group()], "v", seq=0)  # a new writer: met by the next whole listing, at most 5 s on when starved
+    assert [g.group_id for g in buffer.take(8, ledger)] == ["w-000300"] and returned == [1, 2]  # 300 and 302 again
+    assert buffer.take(8, ledger) == [] and returned[-1] == 1 and buffer.next == {"w": 301}
+    buffer.full_at -= 6
+    assert [g.group_id for g in buffer.take(8, ledger)] == ["v-000000"] and buffer.next == {"w": 301, "v": 1}
+    buffer.write([make_group()], "w", seq=301)
+    assert [g.group_id for g in buffer.take(8, ledger)] == ["w-000301"] and buffer.next == {"w": 303, "v": 1}
+    assert ledger.taken == {f"w-{i:06d}" for i in range(303)} | {"v-000000"}
