@@ -168,10 +168,10 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
     model.eval()  # and the engine needs eval mode for its KV cache
     params = [p for p in model.parameters() if p.requires_grad]
     if world > 1:  # every rank ends with the whole batch's gradient and metrics, so every optimizer takes the same step
-        for p in params:
-            if p.grad is None:  # this rank's share was empty
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
+        flat = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in params])  # None: no share
+        dist.all_reduce(flat)  # one collective for all LoRA tensors, not one each (hundreds a step)
+        for p, grad in zip(params, flat.split([p.numel() for p in params])):
+            p.grad = grad.view_as(p)
         gathered = [None] * world
         dist.all_gather_object(gathered, (parts, loss_sum))
         parts, loss_sum = [m for g in gathered for m in g[0]], sum(g[1] for g in gathered)
