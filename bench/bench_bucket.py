@@ -1,12 +1,12 @@
 """A bucket run against a local one: the demo (train.py + one generate.py, evaluations off but for the last) on a
 folder and on a real S3 server (moto's server mode, on loopback), in turns, --repeats times each.
 
-    python bench/bench_bucket.py --steps 50 --repeats 3                         # bench/results/bucket.json
+    python bench/bench_bucket.py --steps 300 --repeats 3                        # bench/results/bucket.json
     python bench/bench_bucket.py --steps 50 --repeats 3 --baseline /tmp/old     # also an older checkout, side by side
     python bench/bench_bucket.py --root /tmp/new ...                            # run another checkout (a snapshot)
 
-Reported per target: the wall time of the whole run, the mean step time over the first 10 steps and over the last
-20 (a bucket listing grows with the groups consumed since the last two checkpoints), and the mean rollout wait.
+Reported per target: the wall time of the whole run, the mean step time (evaluation left out) over the first 50 steps
+and over the last 50, and the mean rollout wait; then each bucket target's ratio to the folder run of the same turn.
 """
 import argparse
 import json
@@ -61,8 +61,8 @@ def demo(root: str, run_dir: str, steps: int, env: dict) -> dict:
     os.environ.update(env)  # train_records reads the bucket through s3fs
     records = train_records(run_dir)
     step_s = [r["perf/step_s"] - r.get("perf/eval_s", 0.0) for r in records]
-    return {"wall_s": wall, "first10_step_s": statistics.mean(step_s[:10]),
-            "last20_step_s": statistics.mean(step_s[-20:]),
+    last = f"step_s_{max(1, steps - 49)}_{steps}"  # the last 50 steps, against the first 50
+    return {"wall_s": wall, "step_s_1_50": statistics.mean(step_s[:50]), last: statistics.mean(step_s[-50:]),
             "wait_s": statistics.mean(r["perf/rollout_wait_s"] for r in records)}
 
 
@@ -104,6 +104,10 @@ if __name__ == "__main__":
     finally:
         moto.kill()
     rows = [{"target": name, "steps": args.steps, "runs": len(r), **summary(r)} for name, r in runs.items()]
+    for name, r in runs.items():  # each bucket run against the folder run of its turn
+        if name != "local":
+            rows.append({"target": f"{name} / local", "steps": args.steps, "runs": len(r), **summary(
+                [{k: v / runs["local"][i][k] for k, v in run.items() if k != "wait_s"} for i, run in enumerate(r)])})
     report(args.name, rows, notes=f"mean ± sd over {args.repeats} runs each, in turns; step_s excludes evaluation. "
            f"Command: python bench/bench_bucket.py --steps {args.steps} --repeats {args.repeats}"
            + (" --baseline DIR" if args.baseline else ""), extra={"runs": runs})
