@@ -108,7 +108,7 @@ class RolloutBuffer:
     def __init__(self, storage, run_id: str = ""):
         self.storage, self.run_id, self.order = storage, run_id, {}  # order: unconsumed ids in the order first seen
         self.next, self.active = {}, {}  # each writer's first sequence number not yet listed (or read); when it last grew
-        self.full_at, self.found = 0.0, False  # when rollouts/ was last listed whole; whether the last listing found any
+        self.full_at = 0.0  # when rollouts/ was last listed whole
         self.reasons = collections.Counter()  # quarantines by kind ("ValueError: rewards"), for the trainer's stop line
 
     def write(self, groups: list[Group], writer: str, seq: int) -> list[str]:
@@ -129,10 +129,10 @@ class RolloutBuffer:
         """Up to n of the oldest groups the ledger has not seen, recorded in it; one that fails is quarantined."""
         stats = {} if stats is None else stats
         if len(self.order) < n:  # list only if fewer than n are known to wait: a listing is a bucket's costly request
-            # A listing of rollouts/ grows with the consumed groups that wait for garbage collection, so on S3 it lists
-            # each known writer from its first id not yet seen on, and all only every 30 s (5 s while that finds
-            # nothing), to meet new writers (a restarted generator is one) and any id that sorts before where it looks.
-            if full := not self.storage.s3 or not self.next or time.monotonic() - self.full_at > 5 + 25 * self.found:
+            # rollouts/ keeps consumed groups until garbage collection: on S3, list each known writer from its first id
+            # not yet seen; all of it only every 30 s (5 s once none grew for 5 s), for new writers (a restarted generator)
+            quiet = time.monotonic() - max(self.active.values(), default=0.0) > 5
+            if full := not self.storage.s3 or not self.next or time.monotonic() - self.full_at > (5 if quiet else 30):
                 self.full_at = time.monotonic()
             listed = self.listed(None if full else self.next)
             new = sorted((i for i in listed if i not in ledger.skip), key=sequence_number)
@@ -143,7 +143,7 @@ class RolloutBuffer:
                 while (gid := f"{w}-{i:06d}") in ledger.skip or gid in self.order:
                     i = after[w] = i + 1
             self.active |= {w: time.monotonic() for w, i in after.items() if i > self.next.get(w, 0)}
-            self.next, self.found = after, bool(new)
+            self.next = after
         groups = []
         while len(groups) < n and self.order:
             batch = list(self.order)[:n - len(groups)]  # the oldest, read together

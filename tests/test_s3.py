@@ -85,11 +85,14 @@ def test_a_poll_on_s3_lists_only_what_is_new(s3_bucket):
     buffer.write([make_group()], "w", seq=302)  # 300 and 301 still in flight
     assert [g.group_id for g in buffer.take(8, ledger)] == ["w-000302"] and returned == [1]
     buffer.write([make_group()], "w", seq=300)
-    buffer.write([make_group()], "v", seq=0)  # a new writer: met by the next whole listing, at most 5 s on when starved
+    buffer.write([make_group()], "v", seq=0)  # a new writer: met by a whole listing, 30 s after the last (5 s if w is quiet)
     assert [g.group_id for g in buffer.take(8, ledger)] == ["w-000300"] and returned == [1, 2]  # 300 and 302 again
     assert buffer.take(8, ledger) == [] and returned[-1] == 1 and buffer.next == {"w": 301}
-    buffer.full_at -= 6
+    buffer.full_at -= 6  # 6 s on, but w grew within 5 s
+    assert buffer.take(8, ledger) == [] and returned[-1] == 1 and len(returned) == 4
+    buffer.active["w"] -= 6  # and now w has been quiet for 6 s
     assert [g.group_id for g in buffer.take(8, ledger)] == ["v-000000"] and buffer.next == {"w": 301, "v": 1}
     buffer.write([make_group()], "w", seq=301)
     assert [g.group_id for g in buffer.take(8, ledger)] == ["w-000301"] and buffer.next == {"w": 303, "v": 1}
     assert ledger.taken == {f"w-{i:06d}" for i in range(303)} | {"v-000000"}
+
