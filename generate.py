@@ -55,15 +55,16 @@ def waiting_groups(buffer: RolloutBuffer, watch: dict, writer: str, written: int
     --max_ready; the lease). A live lease (changed within its timeout) says what waited at the trainer's last listing,
     each writer's last group in it and the N writers, each taking 1/N of the room; 0 while the trainer wants more.
     Else, or before the trainer saw this generator's groups: the listing of rollouts/, each writer adding a batch.
-    watch: the lease's last bytes and since when (this process's clock) they have not changed."""
+    watch: the lease's last bytes, since when (this process's clock) they have not changed, and whether that is live."""
     raw = None
     with contextlib.suppress(FileNotFoundError, ValueError):
         raw = buffer.storage.get("owner.json")
     if raw != watch.get("raw"):
         watch |= {"raw": raw, "since": time.monotonic()}
     lease = lease_view(raw)
+    watch["live"] = raw is not None and time.monotonic() - watch["since"] <= lease["timeout_s"]  # a trainer runs the run
     unseen, n = written - 1 - lease["seen"].get(writer, -1), lease["writers"] + (writer not in lease["seen"])
-    if time.monotonic() - watch["since"] > lease["timeout_s"] or lease["waiting"] < 0 or unseen and writer not in lease["seen"]:
+    if not watch["live"] or lease["waiting"] < 0 or unseen and writer not in lease["seen"]:
         listed = buffer.listed()  # consumed groups too, until garbage collection: it errs on the safe side
         n = len({gid.rsplit("-", 1)[0] for gid in listed} | {writer})
         return 0 if len(listed) < lease["groups_per_step"] else len(listed) + n * batch, lease
@@ -98,9 +99,9 @@ def main():
 
     if meta.get("grader") and meta["grader"] != task.grader:  # rewards from two graders would mix in one run
         raise SystemExit(f"this generator grades with {task.grader}, the run with {meta['grader']}: install the same")
-    watch = {"raw": None, "since": time.monotonic()}  # a lease unchanged for its timeout: a dead trainer's
+    watch = {"raw": None, "since": time.monotonic()}  # while the lease is live, no look for DONE (2 requests on S3)
     batch, written, idle_since, skipped, made = 0, 0, time.time(), set(), {}  # made: groups sampled per version
-    while (not cfg.max_batches or batch < cfg.max_batches) and not storage.exists("DONE"):
+    while (not cfg.max_batches or batch < cfg.max_batches) and (watch.get("live") or not storage.exists("DONE")):
         # wait: the next batch would leave > --max_ready waiting, or (lock-step) this version made a step's groups
         waiting, lease = waiting_groups(buffer, watch, writer, written, cfg.prompts_per_batch)
         if waiting > cfg.max_ready or (cfg.lockstep and made.get(engine.version, 0) >= lease["groups_per_step"]

@@ -5,8 +5,9 @@ standard way (AWS_ENDPOINT_URL and friends). Generator and trainer share nothing
 """
 import subprocess
 import sys
+import time
 
-from conftest import ROOT, train_records
+from conftest import ROOT, publish_v0, train_records
 from test_rundir import make_group
 
 from minigrpo.rollouts import Ledger, RolloutBuffer, read_group
@@ -96,3 +97,29 @@ def test_a_poll_on_s3_lists_only_what_is_new(s3_bucket):
     assert [g.group_id for g in buffer.take(8, ledger)] == ["w-000301"] and buffer.next == {"w": 303, "v": 1}
     assert ledger.taken == {f"w-{i:06d}" for i in range(303)} | {"v-000000"}
 
+
+def test_a_generator_looks_for_DONE_only_while_no_live_lease_says_a_trainer_runs(s3_bucket):
+    """A missing object costs two requests on S3 (a HEAD, then a listing for a "directory"): a generator whose lease
+    is live skips the look for DONE before every batch. Once the lease is gone, it looks, and stops on DONE."""
+    from minigrpo.run import Lease
+    run_dir = f"{s3_bucket}/run"
+    publish_v0(run_dir)
+    lease = Lease(Storage(run_dir), 60.0)
+    lease.acquire()
+    code = ("import sys, generate, minigrpo.storage as s; keys, exists = [], s.Storage.exists\n"
+            "s.Storage.exists = lambda self, key: keys.append(key) or exists(self, key)\n"
+            f"sys.argv = ['generate.py', '--run_dir', {run_dir!r}, '--generator_id', 'g', '--max_batches', '4']\n"
+            "generate.main(); print('looked up', keys.count('DONE'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "looked up 2\n" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]  # at start, and before the first batch
+    gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "h"], cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        while not any(name.startswith("h-") for name in Storage(run_dir).list("rollouts")):
+            assert gen.poll() is None, "the generator stopped before it wrote a group"
+            time.sleep(0.2)
+        lease.fenced(Storage(run_dir).put, "DONE", "finished\n")  # what the trainer does last
+        lease.release()
+        assert gen.wait(timeout=60) == 0
+    finally:
+        gen.kill()
