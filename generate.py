@@ -53,7 +53,7 @@ class GenerateConfig:
 def waiting_groups(buffer: RolloutBuffer, watch: dict, writer: str, written: int, batch: int) -> tuple[int, dict]:
     """(groups waiting once this generator writes its next batch, so that N generators together stay within
     --max_ready; the lease). A live lease (changed within its timeout) says what waited at the trainer's last listing,
-    each writer's last group in it and the N writers, each taking 1/N of the room; 0 while the trainer wants more.
+    each writer's last group it listed, the N writers, each taking 1/N of the room; 0 while the trainer wants more.
     Else, or before the trainer saw this generator's groups: the listing of rollouts/, each writer adding a batch.
     watch: the lease's last bytes, since when (this process's clock) they have not changed, and whether that is live."""
     raw = None

@@ -167,7 +167,7 @@ class RolloutBuffer:
         return groups
 
     def progress(self, window_s: float) -> dict:
-        """Backpressure: groups waiting and each writer's last group at the last listing, writers active in window_s."""
+        """Backpressure: groups waiting, each writer's last group listed with none missing before it, writers active."""
         return {"waiting": len(self.order), "seen": {w: i - 1 for w, i in self.next.items()},
                 "writers": sum(time.monotonic() - t < window_s for t in self.active.values())}
 
