@@ -82,16 +82,21 @@ def test_a_poll_on_s3_lists_only_what_is_new(s3_bucket):
         out = call_s3(method, **kwargs)
         returned.append(len(out.get("Contents", [])))
         return out
+
+    def now(quiet_s=0.0, listed_s=0.0):  # as if w last grew quiet_s ago and rollouts/ was listed whole listed_s ago
+        buffer.active["w"], buffer.full_at = time.monotonic() - quiet_s, time.monotonic() - listed_s
     buffer.storage.fs.call_s3 = counted
     buffer.write([make_group()], "w", seq=302)  # 300 and 301 still in flight
+    now()
     assert [g.group_id for g in buffer.take(8, ledger)] == ["w-000302"] and returned == [1]
     buffer.write([make_group()], "w", seq=300)
     buffer.write([make_group()], "v", seq=0)  # a new writer: met by a whole listing, 30 s after the last (5 s if w is quiet)
+    now()
     assert [g.group_id for g in buffer.take(8, ledger)] == ["w-000300"] and returned == [1, 2]  # 300 and 302 again
     assert buffer.take(8, ledger) == [] and returned[-1] == 1 and buffer.next == {"w": 301}
-    buffer.full_at -= 6  # 6 s on, but w grew within 5 s
+    now(listed_s=6)  # w grew within 5 s: no whole listing
     assert buffer.take(8, ledger) == [] and returned[-1] == 1 and len(returned) == 4
-    buffer.active["w"] -= 6  # and now w has been quiet for 6 s
+    now(quiet_s=6, listed_s=6)  # w quiet for 6 s: the whole listing
     assert [g.group_id for g in buffer.take(8, ledger)] == ["v-000000"] and buffer.next == {"w": 301, "v": 1}
     buffer.write([make_group()], "w", seq=301)
     assert [g.group_id for g in buffer.take(8, ledger)] == ["w-000301"] and buffer.next == {"w": 303, "v": 1}
