@@ -33,14 +33,12 @@ class ProxyConfig(P.ServerConfig):
     request_timeout_s: float = field(default=600.0, metadata={"help": "a replica that takes longer gets a 504"})
 
 
-# never passed on in either direction: hop-by-hop headers, credentials, and what aiohttp recomputes
 HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
                "transfer-encoding", "upgrade", "host", "authorization", "content-length", "content-encoding"}
-# a replica's reply; unreachable: it could not be connected to at all
-Answer = collections.namedtuple("Answer", "status body headers unreachable", defaults=(False,))
+Answer = collections.namedtuple("Answer", "status body headers unreachable", defaults=(False,))  # a replica's reply
 
 
-def forwardable(headers) -> dict:
+def forwardable(headers) -> dict:  # both ways: no hop-by-hop headers, credentials or what aiohttp recomputes
     return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
 
 

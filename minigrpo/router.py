@@ -16,9 +16,8 @@ import json
 class PrefixRouter:
     def __init__(self, n: int, block_size: int = 16, imbalance: int = 32, max_blocks: int = 500_000, max_prompt_blocks: int = 256):
         self.n, self.block_size, self.imbalance, self.max_blocks = n, block_size, imbalance, max_blocks
-        self.max_prompt_blocks = max_prompt_blocks
+        self.max_prompt_blocks, self.turns = max_prompt_blocks, itertools.count()  # turns: round-robin on load ties
         self.table = collections.OrderedDict()  # block hash -> (owners: set[int], successors: set[bytes]), LRU
-        self.turns = itertools.count()  # round-robin among equally loaded replicas
 
     def choose(self, model: str, prompt, inflight: list[int]) -> tuple[int, str]:
         """(replica index, "affinity" | "spilled" | "unmatched"), and remember where the prompt went."""

@@ -87,23 +87,21 @@ def create_run(storage, settings: RunSettings, grader: str = "") -> dict:  # gra
 
 def join_run(storage, settings: RunSettings, timeout_s: float = 600.0) -> dict:
     """Wait for the trainer to create run.json, then check that it has this process's settings. Returns it."""
-    t0 = time.time()
+    t0, url = time.time(), storage.url("run.json")
     if not storage.exists("run.json"):
-        print(f"waiting up to {timeout_s:.0f}s for {storage.url('run.json')}: train.py creates it", flush=True)
+        print(f"waiting up to {timeout_s:.0f}s for {url}: train.py creates it", flush=True)
     while not storage.exists("run.json"):
         if time.time() - t0 > timeout_s:
-            raise SystemExit(f"no {storage.url('run.json')} after {timeout_s:.0f}s: is train.py running with "
-                             f"this --run_dir? (the trainer creates the run)")
+            raise SystemExit(f"no {url} after {timeout_s:.0f}s: is train.py running with this --run_dir? It creates it")
         time.sleep(storage.poll_s)
     try:
         theirs = json.loads(storage.get("run.json"))
     except ValueError as e:  # a damaged run.json is one clear line, not a traceback
-        raise SystemExit(f"{storage.url('run.json')} is damaged (not valid JSON: {e}): restore it or change "
-                         f"--run_dir") from e
+        raise SystemExit(f"{url} is damaged (not valid JSON: {e}): restore it or change --run_dir") from e
     if diff := [f"{k}: run.json has {theirs.get(k)!r}, this process has {v!r}"
                 for k, v in asdict(settings).items() if theirs.get(k) != v]:
-        raise SystemExit(f"{storage.url('run.json')} was written with other settings; start this process with the "
-                         f"same ones (or use another --run_dir):\n  " + "\n  ".join(diff))
+        raise SystemExit(f"{url} was written with other settings; start this process with the same ones (or use "
+                         f"another --run_dir):\n  " + "\n  ".join(diff))
     return theirs
 
 
@@ -161,10 +159,9 @@ class Lease:
                                  f"pid {theirs['pid']}, epoch {theirs['epoch']}): its heartbeat moved within "
                                  f"{time.monotonic() - since:.0f}s. One trainer per run: stop it, or start this "
                                  f"one once the lease stays unchanged for {self.timeout_s:.0f}s (--lease_timeout_s).")
-        # each life's metrics segments carry its epoch, should owner.json be garbage
         epochs = [int(m[1]) for name in self.storage.list("metrics") if (m := re.match(r"train-e(\d+)-", name))]
-        self.info |= {"epoch": max([theirs["epoch"], *epochs]) + 1,  # a new run has committed no checkpoint
-                      "checkpoints": theirs["checkpoints"] if raw is not None or epochs else []}
+        self.info |= {"epoch": max([theirs["epoch"], *epochs]) + 1,  # and metrics/'s epochs: owner.json may be garbage
+                      "checkpoints": theirs["checkpoints"] if raw is not None or epochs else []}  # a new run has none
         if self.info["epoch"] > 999_999:  # names carry it in six digits, which must sort as numbers
             raise SystemExit(f"{self.storage.url()}: owner.json or metrics/ claim epoch {self.info['epoch'] - 1}: past 999998")
         self.write()

@@ -86,12 +86,10 @@ class Storage:
 
     def versioned(self, key: str) -> tuple[bytes | None, str | None]:  # the token: S3's ETag, elsewhere the bytes' sha256
         with contextlib.suppress(FileNotFoundError):
-            if not self.s3:
-                data = self.get(key)
-                return data, hashlib.sha256(data).hexdigest()
             with self._naming("read", key):  # the ETag first: bytes newer than it only make a swap fail
-                token = self.fs.info(f"{self.root}/{key}")["ETag"]
-                return self.fs.cat_file(f"{self.root}/{key}", max_concurrency=1), token
+                etag = self.fs.info(f"{self.root}/{key}")["ETag"] if self.s3 else None
+            data = self.get(key)
+            return data, etag or hashlib.sha256(data).hexdigest()
         return None, None
 
     def swap(self, key: str, data: bytes | str, token: str | None) -> str:
