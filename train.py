@@ -76,9 +76,8 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
 
 
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats):
-    """Block until cfg.groups_per_step fresh groups pass the audit (stale, caught and, for dapo, zero-std ones are
-    consumed and counted); every 5 polls the lease says what waits, and asks for one more group per dropped one.
-    Returns (groups, the groups the audit quarantined, wait s)."""
+    """(groups_per_step fresh groups that passed the audit, those it quarantined, wait s). Stale, caught and (dapo)
+    zero-std groups are consumed and counted; every 5 polls the lease says what waits and asks one more per drop."""
     t0, last_seen, told, groups, caught, taken_n, said = time.time(), time.time(), 0.0, [], [], 0, 0
     while len(groups) < cfg.groups_per_step:
         taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
@@ -126,9 +125,8 @@ def policy_tol(cfg, run) -> float:  # bf16 rounds more: honest max gaps f32 9e-7
 
 
 def audit(model, groups, weights_of, run, cfg, device) -> list:
-    """(group, mean |log pi - log mu| per token, tolerance) for each group whose gap under the weights of the version
-    it names exceeds the tolerance: its sampler did not apply them (a replica serving the base model or a stale
-    LoRA). One no-grad pass before the gradient; the model's weights are restored."""
+    """(group, mean |log pi - log mu| a token, tolerance) for each group too far from the weights of the version it
+    names: its sampler did not apply them (a base-model replica, a stale LoRA). No gradient; the weights are restored."""
     if (tol := policy_tol(cfg, run)) <= 0 or not groups:
         return []
     current, caught = {k: v.clone() for k, v in lora_state_dict(model).items()}, []
@@ -138,23 +136,24 @@ def audit(model, groups, weights_of, run, cfg, device) -> list:
         load_lora_state_dict(model, weights)
         mine = [g for g in groups if g.policy_version == v]
         samples = build_samples(mine, run, cfg)[0]
-        owner, gap = {id(s): i // run.group_size for i, s in enumerate(samples)}, [0.0] * len(mine)
+        owner, gap = {id(s): i // run.group_size for i, s in enumerate(samples)}, torch.zeros(len(mine), device=device)
         with torch.no_grad():
             for mb in micro_batches(samples, cfg.micro_batch_tokens):
                 inputs, batch = collate(mb, device)
                 logp = packed_logprobs(model, *inputs, run.temperature)[0]  # (b, T)
-                for s, d in zip(mb, ((logp - batch.behav).abs() * batch.mask).sum(1).tolist()):
-                    gap[owner[id(s)]] += d
+                sums = ((logp - batch.behav).abs() * batch.mask).sum(1)  # (b,) each sample's summed gap
+                gap.index_add_(0, torch.tensor([owner[id(s)] for s in mb], device=device), sums)
+        gap = gap.tolist()  # one read of the device for all micro-batches
         caught += [(g, gap[i] / n, tol) for i, g in enumerate(mine) if gap[i] > tol * (n := sum(map(len, g.completion_ids)))]
     load_lora_state_dict(model, current)
     return caught
 
 
 def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
-    """Forward/backward over packed micro-batches with the whole batch's normaliser, then one AdamW step.
-    Data-parallel: each rank takes every world-th sample, and the ranks sum their gradients before the step."""
+    """Forward/backward over packed micro-batches with the whole batch's normaliser, then one AdamW step; the device is
+    read once, at the end. Data-parallel: each rank takes its share of the micro-batches, then the gradients are summed."""
     num_tokens = sum(len(s.behav) for s in samples)  # of the whole batch, on every rank
-    mbs, parts, loss_sum = micro_batches(samples[rank::world], cfg.micro_batch_tokens), [], 0.0
+    mbs, parts = micro_batches(samples, cfg.micro_batch_tokens)[rank::world], []  # largest first, dealt out in turn
     model.train(cfg.gradient_checkpointing)  # transformers checkpoints only in train mode (no dropout in these models)
     for mb in mbs:
         inputs, batch = collate(mb, device, len(samples), num_tokens)
@@ -163,8 +162,7 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
             batch.old = logp.detach()
         loss, m = grpo_loss(logp, batch, cfg, run.max_new_tokens)
         loss.backward()
-        parts.append(m | {"entropy": (entropy * batch.mask).sum().item() / max(m["tokens"], 1)})
-        loss_sum += loss.item()
+        parts.append(m | {"entropy": (entropy * batch.mask).sum() / m["tokens"].clamp(min=1), "loss": loss.detach()})
     model.eval()  # and the engine needs eval mode for its KV cache
     params = [p for p in model.parameters() if p.requires_grad]
     if world > 1:  # every rank ends with the whole batch's gradient and metrics, so every optimizer takes the same step
@@ -172,10 +170,13 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
         dist.all_reduce(flat)  # one collective for all LoRA tensors, not one each (hundreds a step)
         for p, grad in zip(params, flat.split([p.numel() for p in params])):
             p.grad = grad.view_as(p)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (parts, loss_sum))
-        parts, loss_sum = [m for g in gathered for m in g[0]], sum(g[1] for g in gathered)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+    host = iter(torch.stack([grad_norm.double(), *(v.double() for m in parts for v in m.values())]).tolist())  # one read
+    grad_norm, parts = next(host), [{k: next(host) for k in m} for m in parts]
+    if world > 1:  # every rank's micro-batches
+        dist.all_gather_object(every := [None] * world, parts)
+        parts = [m for mine in every for m in mine]
+    loss_sum = sum(m.pop("loss") for m in parts)
     skipped = not (math.isfinite(loss_sum) and math.isfinite(grad_norm))  # the same on every rank
     if not skipped:  # a non-finite step would turn every weight into NaN
         optimizer.step()
@@ -185,9 +186,8 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
 
 
 def distributed(device: str, timeout_s: float):
-    """(rank, world size, this rank's device, the group its batch arrives by). A GPU rank binds to cuda:LOCAL_RANK
-    before it joins (NCCL stages collectives on the current device). While rank 0 works alone between steps, the
-    others wait for its batch in a gloo group with no deadline: NCCL's watchdog times only the all-reduce."""
+    """(rank, world size, this rank's device (a GPU rank binds to cuda:LOCAL_RANK before it joins), and the gloo group,
+    with no deadline, in which the others wait for rank 0's batch while it works alone: NCCL times only all-reduces)."""
     world, local, device = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)), pick_device(device)
     if world == 1:
         return 0, 1, device, None
@@ -209,17 +209,21 @@ def share(obj, group):  # rank 0's object on every rank (the batch of samples: k
     return box[0]
 
 
-def evaluate(engine, tokenizer, task, problems, run, seed, batch_tokens) -> float:
-    """pass@1 at the run's temperature on a fixed held-out set, in batches of at most batch_tokens KV-cache tokens:
-    problem i has its own seed, the same draws at every evaluation and in any batch, so successive evaluations differ
-    only by the weights."""
-    prompts = [prompt_ids(tokenizer, p.prompt, run.system_prompt) for p in problems]
+def evaluate(engine, tokenizer, task, problems, run, seed, batch_tokens, rank=0, world=1, group=None) -> float:
+    """pass@1 at the run's temperature on a fixed held-out set, at most batch_tokens KV-cache tokens at once. Problem i
+    has its own seed: the same draws in any batch, on any rank (r takes r, r + world, ...) and at every evaluation."""
+    mine = range(rank, len(problems), world)
+    prompts = [prompt_ids(tokenizer, problems[i].prompt, run.system_prompt) for i in mine]
     batch_size = max(1, batch_tokens // (max(map(len, prompts), default=0) + run.max_new_tokens))
     params = [SamplingParams(max_tokens=run.max_new_tokens, temperature=run.temperature, seed=seed * 1_000_003 + i)
-              for i in range(len(prompts))]
+              for i in mine]
     outs = [c for i in range(0, len(prompts), batch_size)
             for c in engine.generate(prompts[i:i + batch_size], params[i:i + batch_size])]
-    return sum(r[0] for r in score(task, tokenizer, problems, outs)) / len(problems)
+    scores = [r[0] for r in score(task, tokenizer, [problems[i] for i in mine], outs)]
+    if world > 1:  # every rank's scores, back in problem order: the same sum as one process's
+        dist.all_gather_object(every := [None] * world, scores, group=group)
+        scores = [every[i % world][i // world] for i in range(len(problems))]
+    return sum(scores) / len(problems)
 
 
 def finite_weights(model) -> dict:  # the LoRA tensors to publish or save
@@ -252,8 +256,7 @@ def resume(storage, model, optimizer, cfg, committed) -> dict | None:
     state, skipped = load_checkpoint(storage, model, optimizer, committed)
     print("".join(f"skipped checkpoint {s}\n" for s in skipped), end="", flush=True)
     if state is None and any("damaged" in s for s in skipped):
-        raise SystemExit(f"no intact checkpoint in {storage.url('checkpoints')} (see above); restore one or start a "
-                         f"new run with another --run_dir")
+        raise SystemExit(f"no intact checkpoint in {storage.url('checkpoints')} (above): restore one or use another --run_dir")
     if state and (changed := check_settings(state["config"], cfg)) and not cfg.allow_new_settings:
         raise SystemExit("resuming with other training settings than the checkpoint's:\n  " + "\n  ".join(changed) +
                          "\nuse the same flags, or pass --allow_new_settings true to change them on purpose")
@@ -270,6 +273,8 @@ def main():
         raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): pass another --run_dir.")
     task = make_task(run)  # the task and the model first: a bad flag stops it before the run directory records it
     torch.set_num_threads(cfg.threads)
+    if device.type == "cuda" and cfg.dtype == "float32" and rank == 0:  # the default: right for a CPU, not a GPU
+        print("train.py: float32 base weights on a GPU take twice the memory of --dtype bfloat16, and run slower", flush=True)
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(run.model, device, cfg.dtype)
     inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
@@ -291,9 +296,15 @@ def main():
     step, stats = state["step"] if state else 0, dict.fromkeys(counters, 0) | (state["stats"] if state else {})
     for p in params if world > 1 else []:  # rank 0's weights on every rank (a resume loaded them there)
         dist.broadcast(p.data, src=0)
-    if rank > 0:  # the other ranks only compute: rank 0 reads groups, publishes, checkpoints and logs
-        for _ in range(step, cfg.max_steps):  # one train_step for each of rank 0's
+    evaluate_now = partial(evaluate, engine, tokenizer, task, eval_problems, run, cfg.seed, cfg.eval_batch_tokens,
+                           rank, world, waiting)
+    if rank > 0:  # the other ranks only compute and evaluate: rank 0 reads groups, publishes, checkpoints and logs
+        if step == 0:
+            evaluate_now()
+        for step in range(step + 1, cfg.max_steps + 1):  # one train_step for each of rank 0's, and its evaluations
             train_step(model, optimizer, share(None, waiting), run, cfg, device, rank, world)
+            if step % cfg.eval_every == 0 or step == cfg.max_steps:
+                evaluate_now()
         dist.destroy_process_group()
         return
     ledger = Ledger(state and state["ledger"])
@@ -308,11 +319,11 @@ def main():
           f"step, {cfg.max_steps} steps, max_staleness {run.max_staleness}, adapter {adapter_mb:.2f} MB "
           f"(published {store.url(version)}), eval on {len(eval_problems)} held-out problems\n"
           f"  {asdict(run)}\n  {asdict(cfg)}", flush=True)
-    evaluate_now = partial(evaluate, engine, tokenizer, task, eval_problems, run, cfg.seed, cfg.eval_batch_tokens)
     if step == 0:
         acc = evaluate_now()
         metrics.log({"step": 0, "eval/accuracy": acc, "version": version, "time": time.time()},
-                    f"step 0/{cfg.max_steps} | eval/accuracy {acc:.3f} (n={len(eval_problems)})")
+                    f"step 0/{cfg.max_steps} | eval/accuracy {acc:.3f} (n={len(eval_problems)}"
+                    + (f", split over {world} ranks)" if world > 1 else ")"))
 
     for step in range(step + 1, cfg.max_steps + 1):
         t0 = time.time()

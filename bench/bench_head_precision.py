@@ -21,7 +21,7 @@ random Qwen2-shaped model (Qwen2.5-1.5B's layer shape: hidden 1536, 12 heads of 
 vocab 32,000; 4 prompts x G x 64 new tokens per seed). Random init gives logits of std ~0.8, far below a trained LM's,
 so its lm_head is scaled up, twice (the body is the same): "max20" x~6 (mean largest logit 20, bf16 steps of 0.125
 there; entropy ~2.9 nats, higher than a trained LM's) and "max40" x~12 (largest logit 40, steps of 0.25; entropy ~0.9,
-closer to a math model's at T=1); no float32 vLLM for max40. Health metrics as minigrpo.grpo.health defines them,
+closer to a math model's at T=1); no float32 vLLM for max40. Health metrics as minigrpo.grpo.grpo_loss defines them,
 over the completion tokens: mismatch_kl = mean((v-1) - log v), ratio std / min / max, far_frac = share of
 |log v| > ln 2; kl/bf16: each seed's mismatch_kl over the bf16-head variant's on the same samples. Mean +- sd over 3
 seeds (seed: which prompts, and vLLM's sampling seed).
@@ -100,7 +100,7 @@ def head_logprobs(model, ids, pos, where, targets, temperature, head_dtype):
     """packed_logprobs' last lines with the head matmul in head_dtype: (log-probs, entropies) of the valid tokens."""
     from minigrpo.model import HeadLogprobs, output_head, plan_packed_row
     hidden = model.base_model(input_ids=ids, position_ids=pos, use_cache=False,
-                              packed_plan=plan_packed_row(pos)).last_hidden_state[0]  # (N, H) in the model's dtype
+                              packed_plan=plan_packed_row(pos, pos.device)).last_hidden_state[0]  # (N, H) in the model's dtype
     valid = targets >= 0
     return HeadLogprobs.apply(hidden[where[valid]].to(head_dtype), output_head(model).weight.to(head_dtype),
                               targets[valid], temperature)
@@ -126,7 +126,7 @@ def trainer_log_v(model, samples, head_dtype):
 
 
 def health(log_v: torch.Tensor) -> dict:
-    """minigrpo.grpo.health's mismatch_kl and far_frac, and the ratio's spread."""
+    """grpo_loss's health/mismatch_kl and health/far_frac, and the ratio's spread."""
     v = torch.exp(log_v.double().clamp(-40, 40))
     return {"mismatch_kl": ((v - 1) - log_v.double()).mean().item(), "ratio_std": v.std().item(),
             "ratio_min": v.min().item(), "ratio_max": v.max().item(),

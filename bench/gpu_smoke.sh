@@ -4,7 +4,8 @@
 # Then, in bf16:
 #   1. one gradient-checkpointed forward+backward on two 8k-token sequences (a 256-token prompt shared by two
 #      7,936-token completions, 16k tokens in one packed row, as train.py packs them): its time, MFU, peak memory,
-#      and which SDPA kernels ran (torch.profiler's operator and kernel names);
+#      and which SDPA kernels ran (torch.profiler's operator and kernel names); then train.py's train_step on them,
+#      counting the host's waits for the device (CUDA's sync debug mode; one is expected);
 #   2. generate.py --engine torch beside train.py for four steps, with evaluations and a checkpoint; the trainer is
 #      killed right after the step-2 checkpoint (MINIGRPO_FAULT) and resumed from it. Per step: step time without the
 #      evaluation, forward+backward time, trained tokens/s, MFU, peak memory, the ratio and health/mismatch_kl; then
@@ -229,8 +230,23 @@ for e in sorted(kernels, key=gpu_us, reverse=True)[:6]:
     print(f"  attention kernel {e.key[:110]} x{e.count}, {gpu_us(e) / total_us:.0%} of GPU time")
 if cuda and not kernels:
     print("  attention kernel: none named flash/fmha/cudnn/attention (the math kernel, or the profiler saw no CUDA)")
+# train.py's whole step on these samples, one micro-batch each: CUDA's sync debug mode warns at every operation that
+# makes the host wait for the device. train_step reads the device once, at the end (its metrics and grad norm).
+import warnings
+from minigrpo.run import RunSettings
+from train import TrainConfig, train_step
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+cfg = TrainConfig(loss_type="dr_grpo", micro_batch_tokens=P + C, gradient_checkpointing=True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn") if cuda else None
+    m = train_step(model, opt, samples, RunSettings(max_new_tokens=C), cfg, device)
+    torch.cuda.set_sync_debug_mode(0) if cuda else None
+waits = [str(w.message).splitlines()[0][:100] for w in caught if "synchroniz" in str(w.message)]
+print(f"train_step, {m['perf/micro_batches']} micro-batches: " + (f"{len(waits)} host waits {waits}" if cuda else
+      "host waits not measured on a CPU"))
 EOF
-[ -f "$work/long.log" ] && grep -E "^(checkpointed|  )" "$work/long.log"
+[ -f "$work/long.log" ] && grep -E "^(checkpointed|  |train_step)" "$work/long.log"
 
 # ---- 2. the generator and the trainer side by side, a kill after the step-2 checkpoint, and the resume ----
 run=(--model "$work/model" --run_dir "$work/run" --max_new_tokens "$new" --group_size 8 --lora_r 16 --lora_alpha 32

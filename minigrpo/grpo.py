@@ -78,25 +78,19 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
     else:
         loss = (per_token * mask).sum() / (num_seqs * max_new_tokens)
 
-    with torch.no_grad():  # health signals over valid tokens
-        valid = mask.bool()
-        r, A_tok = ratio[valid], A.expand_as(ratio)[valid]  # (N,) each
-        metrics = {"tokens": valid.sum().item(), "ratio/mean": r.mean().item(), "ratio/min": r.min().item(),
-                   "ratio/max": r.max().item(), "clip_ratio/low": ((r < 1 - cfg.eps_low) & (A_tok < 0)).float().mean().item(),
-                   "clip_ratio/high": ((r > 1 + cfg.eps_high) & (A_tok > 0)).float().mean().item()}
+    with torch.no_grad():  # 0-d tensors, as masked sums: no host sync (train_step reads them all once a step)
+        valid, log_v = mask.bool(), logp - behav_logp  # v = pi_theta / mu: the health signals above
+        mean = lambda x: torch.where(valid, x, 0).float().sum() / valid.sum().clamp(min=1)  # noqa: E731
+        v = torch.exp(log_v.clamp(-40, 40))
+        metrics = {"tokens": mask.sum(), "ratio/mean": mean(ratio),
+                   "ratio/min": ratio.masked_fill(~valid, math.inf).min(), "ratio/max": ratio.masked_fill(~valid, -math.inf).max(),
+                   "clip_ratio/low": mean((ratio < 1 - cfg.eps_low) & (A < 0)),
+                   "clip_ratio/high": mean((ratio > 1 + cfg.eps_high) & (A > 0)),
+                   "health/v_mean": mean(v), "health/v_sq_mean": mean(v * v), "health/mismatch_kl": mean((v - 1) - log_v),
+                   "health/far_frac": mean(log_v.abs() > math.log(2))}  # combine_metrics adds health/ess_frac
         if cfg.tis_cap is not None:
-            metrics |= {"is/mean": is_ratio[valid].mean().item(),
-                        "is/frac_capped": (is_ratio[valid] > cfg.tis_cap).float().mean().item()}
-        metrics |= health(logp[valid] - behav_logp[valid])
+            metrics |= {"is/mean": mean(is_ratio), "is/frac_capped": mean(is_ratio > cfg.tis_cap)}
     return loss, metrics
-
-
-def health(log_v: torch.Tensor) -> dict:
-    """Token means of v = pi_theta / mu and friends over the sampled tokens (N,); combine_metrics adds ess_frac."""
-    v = torch.exp(log_v.clamp(-40, 40))
-    return {"health/v_mean": v.mean().item(), "health/v_sq_mean": (v * v).mean().item(),
-            "health/mismatch_kl": ((v - 1) - log_v).mean().item(),
-            "health/far_frac": (log_v.abs() > math.log(2)).float().mean().item()}
 
 
 def combine_metrics(parts: list[dict]) -> dict:

@@ -25,13 +25,12 @@ def packed_attention(module, query, key, value, attention_mask, packed_plan=None
     return out[None], None
 
 
-def plan_packed_row(position_ids: torch.Tensor) -> list[tuple]:
-    """Packed position ids (1, N) -> per run length L: the runs' token indices (k, L), their keys and mask."""
-    pos, dev = position_ids[0], position_ids.device
-    starts = [0] + ((pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1).tolist()
-    runs = {}  # run length L -> [(start, q, start of its sequence)]
-    for s, e, q in zip(starts, starts[1:] + [len(pos)], pos[starts].tolist()):
-        if q == 0:
+def plan_packed_row(position_ids: torch.Tensor, dev) -> list[tuple]:
+    """Packed position ids (1, N) -> per run length L: the runs' token indices (k, L), their keys and mask, on dev."""
+    pos, runs = position_ids[0].tolist(), {}  # runs: length L -> [(start, q, start of its sequence)]
+    starts = [i for i in range(len(pos)) if i == 0 or pos[i] != pos[i - 1] + 1]
+    for s, e in zip(starts, starts[1:] + [len(pos)]):
+        if (q := pos[s]) == 0:
             seq, first = s, e - s  # a new sequence: its first run holds what its branches share
         elif q > first:
             raise ValueError(f"packed row: the run at token {s} shares {q} tokens, its sequence's first run has {first}")
@@ -143,8 +142,10 @@ def packed_logprobs(model, ids, pos, where, targets, temperature: float):  # ids
     if model.config._attn_implementation != PACKED_SDPA:
         raise ValueError(f"packed rows need attn_implementation={PACKED_SDPA!r} (load_model sets it), the model has "
                          f"{model.config._attn_implementation!r}")
-    hidden = model.base_model(input_ids=ids, position_ids=pos, use_cache=False,  # every layer gets the one plan
-                              packed_plan=plan_packed_row(pos)).last_hidden_state[0]  # (N, H)
-    valid = targets >= 0
-    return tuple(torch.zeros(where.shape, device=ids.device).index_put((valid,), x)  # (B, T): logp, then entropy
-                 for x in HeadLogprobs.apply(hidden[where[valid]], output_head(model).weight, targets[valid], temperature))
+    dev = ids.device  # pos, where, targets: on the host (collate), so planning from them never waits for the device
+    hidden = model.base_model(input_ids=ids, position_ids=pos.to(dev), use_cache=False,  # every layer gets the one plan
+                              packed_plan=plan_packed_row(pos, dev)).last_hidden_state[0]  # (N, H)
+    at = (targets >= 0).flatten().nonzero().flatten()  # (n,) the completion tokens' flat (B, T) indices
+    y, rows, at = targets.flatten()[at].to(dev), where.flatten()[at].to(dev), at.to(dev)
+    return tuple(torch.zeros(where.numel(), device=dev).index_put((at,), x).view(where.shape)  # (B, T): logp, entropy
+                 for x in HeadLogprobs.apply(hidden[rows], output_head(model).weight, y, temperature))

@@ -32,13 +32,13 @@ def micro_batches(samples, budget: int):
             batches[i].append(s)
             sizes[i] += cost[i]
             prompts[i].add(p)
-    return batches
+    return [batches[i] for i in sorted(range(len(batches)), key=lambda i: -sizes[i])]  # the largest row first
 
 
 def collate(samples, device, num_seqs=None, num_tokens=None):
-    """One packed row (1, N) of token ids and position ids, laid out as above; the samples of one prompt come together
-    (micro_batches). Per completion token (B, T): `where` is the row index whose hidden state predicts it (the prompt's
-    last token for the first one), `targets` the token, -1 past the end. Returns ((ids, pos, where, targets), Batch)."""
+    """One packed row (1, N) of token ids and positions, laid out as above, a prompt's samples together. Per completion
+    token (B, T): `where` is the row index whose hidden state predicts it (the prompt's last token for the first one),
+    `targets` the token, -1 past the end. Returns ((ids, pos, where, targets), Batch); the layout stays on the host."""
     B, T, ids, pos, prompt = len(samples), max(len(s.behav) for s in samples), [], [], None
     where, targets = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
     mask, behav, adv = torch.zeros(B, T), torch.zeros(B, T), torch.tensor([s.adv for s in samples])  # adv (B,)
@@ -51,4 +51,4 @@ def collate(samples, device, num_seqs=None, num_tokens=None):
         targets[i, :n], mask[i, :n], behav[i, :n] = torch.tensor(completion), 1, torch.tensor(s.behav)
         ids, pos = ids + completion, pos + list(range(P, P + n))
     batch = Batch(behav.to(device), adv.to(device), mask.to(device), num_seqs=num_seqs, num_tokens=num_tokens)
-    return tuple(t.to(device) for t in (torch.tensor([ids]), torch.tensor([pos]), where, targets)), batch
+    return (torch.tensor([ids], device=device), torch.tensor([pos]), where, targets), batch

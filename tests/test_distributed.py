@@ -1,5 +1,5 @@
-"""torchrun: two CPU ranks (gloo) train the same LoRA weights as one process with the same global batch, and the
-other ranks outwait rank 0's solo work (here: the first rollouts) past the gradient all-reduce's deadline.
+"""torchrun: two CPU ranks (gloo) train the same LoRA weights as one process with the same global batch and give its
+held-out accuracy to the bit, each sampling half the problems; and the other ranks outwait rank 0's solo work (here: the first rollouts) past the gradient all-reduce's deadline.
 
     python -m pytest -q tests/test_distributed.py
 """
@@ -13,12 +13,12 @@ import torch
 from conftest import ROOT, free_port
 from safetensors.torch import load_file
 
-from conftest import publish_v0, train_records
+from conftest import eval_records, publish_v0, train_records
 
 from minigrpo.run import RunSettings
 
 FLAGS = ["--max_steps", "3", "--groups_per_step", "16", "--max_staleness", "100", "--eval_every", "1000",
-         "--eval_size", "8", "--save_every", "3", "--micro_batch_tokens", "256",
+         "--eval_size", "40", "--save_every", "3", "--micro_batch_tokens", "256",
          "--loss_type", "grpo"]  # trains every group of the fixed set (dapo would drop the zero-std ones and wait)
 
 
@@ -36,6 +36,9 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert one.returncode == 0, one.stderr[-2000:]
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    evals = [eval_records(str(tmp_path / n)) for n in ("one", "two")]
+    assert "split over 2 ranks" in two.stdout and [r["step"] for r in evals[1]] == [0, 3], two.stdout[-2000:]
+    assert 0 < evals[0][0]["eval/accuracy"] == evals[1][0]["eval/accuracy"], "the same weights: the same draws"
     logs = [train_records(str(tmp_path / n)) for n in ("one", "two")]
     assert [r["group_ids"] for r in logs[0]] == [r["group_ids"] for r in logs[1]], "the same global batches"
     for a, b in zip(*logs):

@@ -26,6 +26,7 @@ def test_the_gpu_script_trains_checkpoints_resumes_and_reports_on_a_cpu(tmp_path
     assert all(float(row[5]) > 0 for row in table), "trained tokens/s"
     assert re.search(r"generator: \d+ batches, \d+ tok/s", out.stdout)
     assert re.search(r"checkpointed step, one packed row of 1024 tokens .* tok/s", out.stdout), out.stdout
+    assert "train_step, 2 micro-batches: host waits not measured on a CPU" in out.stdout, out.stdout
     assert re.search(r"SDPA operator aten::\S*attention", out.stdout), "which attention operator ran"
     assert re.search(r"peak GB, trainer life e\d+ .*training alone \d", out.stdout), "the resumed life's peak"
 

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from minigrpo.grpo import (Batch, LossConfig, advantages, combine_metrics, grpo_loss, health,
-                          zero_std_groups)
+from minigrpo.grpo import Batch, LossConfig, advantages, combine_metrics, grpo_loss, zero_std_groups
 from minigrpo.run import RunSettings, parse_config
 
 close = lambda a, b, tol=1e-6: torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64),
@@ -178,15 +177,21 @@ def test_unknown_loss_type_is_named(capsys):
     assert "invalid choice: 'ppo'" in capsys.readouterr().err
 
 
+def health_of(log_v: list[float]) -> dict:
+    """grpo_loss's metrics, as floats, for sampled tokens with these log(pi_theta / mu)."""
+    logp = torch.tensor([log_v]) - 1.0
+    m = loss_of(logp, None, logp - torch.tensor([log_v]), torch.zeros(1), torch.ones(1, len(log_v)))[1]
+    return {k: v.item() for k, v in m.items()}
+
+
 def test_health_of_equal_weights_is_perfect():
-    m = combine_metrics([health(torch.zeros(5)) | {"tokens": 5}])
+    m = combine_metrics([health_of([0.0] * 5)])
     close([m["health/ess_frac"], m["health/mismatch_kl"], m["health/far_frac"]], [1.0, 0.0, 0.0])
 
 
 def test_health_of_a_known_mismatch_combines_across_micro_batches():
     # log v = ln 3 on one token, 0 on the other: v = (3, 1), ESS/N = 4^2 / (2 * 10) = 0.8,
     # k3 = ((3 - 1 - ln 3) + 0) / 2 = 0.45069, and one token of two is more than 2x off
-    parts = [health(torch.tensor([math.log(3)])) | {"tokens": 1}, health(torch.tensor([0.0])) | {"tokens": 1}]
-    m = combine_metrics(parts)
+    m = combine_metrics([health_of([math.log(3)]), health_of([0.0])])
     close([m["health/ess_frac"], m["health/mismatch_kl"], m["health/far_frac"]], [0.8, (2 - math.log(3)) / 2, 0.5])
     assert "health/v_sq_mean" not in m

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from conftest import sequence_logprobs, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minigrpo.lora import inject_lora, lora_layers
 from minigrpo.model import packed_logprobs
@@ -162,3 +163,69 @@ def test_bf16_base_weights_train_float32_lora_with_float32_log_probs():
     m = train_step(model, opt, sequences(model), RunSettings(max_new_tokens=8), TrainConfig(), torch.device("cpu"))
     assert torch.isfinite(torch.tensor([m["loss"], m["grad_norm"]])).all() and m["grad_norm"] > 0
     assert abs(m["ratio/mean"] - 1) < 1e-3  # the behaviour log-probs came from the same bf16 model
+
+
+class DeviceReads(TorchDispatchMode):
+    """Records each operation that makes a GPU's host wait for the device: reading a value (.item(), .tolist(), bool())
+    or a shape that depends on values (nonzero, boolean indexing), on a tensor computed on the device. The layout
+    collate leaves on the host, and what is computed from it alone, is on the host (tagged `host`)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.reads = []
+        tolist = torch.Tensor.tolist
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: self.read("tolist", [t]) or tolist(t))
+
+    def read(self, what, tensors):
+        if not all(getattr(t, "host", False) for t in tensors):
+            self.reads.append(what)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default) or (
+                func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default)
+                and any(t.dtype == torch.bool for t in tensors[1:])):
+            self.read(str(func), tensors)
+        out = func(*args, **(kwargs or {}))
+        if tensors and all(getattr(t, "host", False) for t in tensors):
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    t.host = True
+        return out
+
+
+def test_a_step_reads_the_device_once(monkeypatch):
+    """One transfer a step (its metrics and the gradient norm), however many micro-batches: ~15 reads per micro-batch
+    before, some between forward and backward, each a stall of a GPU's queue."""
+    import train
+    model = lora_model()
+    seqs = sequences(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    train_step(model, opt, seqs, RunSettings(max_new_tokens=8), TrainConfig(), torch.device("cpu"))  # Adam's state
+    for state in opt.state.values():
+        state["step"].host = True  # a GPU's Adam keeps its step count on the host
+    real_collate, reads = collate, DeviceReads(monkeypatch)
+
+    def host_layout(samples, device, *args):
+        (ids, *layout), batch = real_collate(samples, device, *args)
+        for t in layout:  # pos, where, targets: built from lists, never on the device
+            t.host = True
+        return (ids, *layout), batch
+
+    monkeypatch.setattr(train, "collate", host_layout)
+    with reads:
+        m = train_step(model, opt, seqs, RunSettings(max_new_tokens=8), TrainConfig(micro_batch_tokens=16),
+                       torch.device("cpu"))
+    assert m["perf/micro_batches"] > 3 and reads.reads == ["tolist"], reads.reads
+
+
+def test_micro_batches_come_largest_first_so_that_ranks_dealt_them_in_turn_differ_by_one_at_most():
+    """train_step deals the micro-batches out to the ranks in turn (rank r: r, r + world, ...). Largest first, the
+    ranks' packed tokens differ by at most the largest micro-batch, whatever the spread of sequence lengths."""
+    seqs = sequences(tiny_model(), n=96, G=4, seed=1)
+    for budget in (16, 32, 64):
+        sizes = [row_tokens(mb) for mb in micro_batches(seqs, budget)]
+        assert sizes == sorted(sizes, reverse=True) and len(sizes) > 4
+        for world in (2, 3, 4, 8):
+            tokens = [sum(sizes[r::world]) for r in range(world)]
+            assert max(tokens) - min(tokens) <= sizes[0] <= budget, (budget, world, tokens)

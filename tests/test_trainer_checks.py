@@ -117,6 +117,22 @@ def test_float16_training_is_refused_naming_bfloat16(capsys):
     err = capsys.readouterr().err  # argparse: "invalid choice: 'float16' (choose from float32, bfloat16)"
     assert "--dtype" in err and "invalid choice: 'float16'" in err and "bfloat16" in err
 
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_float32_weights_on_a_gpu_are_named_before_the_model_loads(monkeypatch, capsys, tmp_path, dtype):
+    import train
+
+    def stop(*args):
+        raise SystemExit("stopped before loading the model")
+    monkeypatch.setattr(train, "distributed", lambda *args: (0, 1, torch.device("cuda"), None))  # as torchrun on a GPU
+    monkeypatch.setattr(train, "load_model", stop)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--run_dir", str(tmp_path / "run"), "--dtype", dtype])
+    with pytest.raises(SystemExit, match="stopped before loading"):
+        train.main()
+    said = "float32 base weights on a GPU take twice the memory of --dtype bfloat16, and run slower" in capsys.readouterr().out
+    assert said == (dtype == "float32")
+
+
 def test_a_generator_that_grades_otherwise_than_the_run_refuses_to_start(tmp_path):
     storage = Storage(str(tmp_path / "run"))
     create_run(storage, RunSettings(), grader="math-verify 0.0")  # run.json records the trainer's grader
