@@ -157,7 +157,7 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
     model.train(cfg.gradient_checkpointing)  # transformers checkpoints only in train mode (no dropout in these models)
     for mb in mbs:
         inputs, batch = collate(mb, device, len(samples), num_tokens)
-        logp, entropy = packed_logprobs(model, *inputs, run.temperature)  # (b, L-1) each
+        logp, entropy = packed_logprobs(model, *inputs, run.temperature)  # (b, T) each
         if cfg.old_logp == "recompute":  # pi_old = these weights: ratio 1, no clip; the IS weight is the control
             batch.old = logp.detach()
         loss, m = grpo_loss(logp, batch, cfg, run.max_new_tokens)
@@ -171,8 +171,8 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
         for p, grad in zip(params, flat.split([p.numel() for p in params])):
             p.grad = grad.view_as(p)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-    host = iter(torch.stack([grad_norm.double(), *(v.double() for m in parts for v in m.values())]).tolist())  # one read
-    grad_norm, parts = next(host), [{k: next(host) for k in m} for m in parts]
+    host = iter(torch.stack([grad_norm.double(), *(v.double() for m in parts for v in m.values())]).tolist())  # the one read
+    grad_norm, parts = next(host), [{k: next(host) for k in m} for m in parts]  # a dict iterates as it did above
     if world > 1:  # every rank's micro-batches
         dist.all_gather_object(every := [None] * world, parts)
         parts = [m for mine in every for m in mine]

@@ -49,16 +49,9 @@ def run_plan(L: int, spans: list[tuple], dev):  # spans: the runs of length L, (
     return idx, keys, torch.cat([(prefix >= 0)[:, None].expand(-1, L, -1), causal], 2)[:, None]  # (k, 1, L, Q + L)
 
 
-def packed_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
-    """SDPA's mask, but none where there is no padding and no cache: packed_attention keeps sequences apart."""
-    if attention_mask is None and q_length == kv_length:
-        return None
-    return sdpa_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, **kwargs)
-
-
 PACKED_SDPA = "minigrpo_packed_sdpa"  # load_model's attention: SDPA that also runs packed rows per sequence
 AttentionInterface.register(PACKED_SDPA, packed_attention)
-AttentionMaskInterface.register(PACKED_SDPA, packed_mask)
+AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)  # as SDPA's, for the engine's padded batches
 
 
 def resolve_model(name: str) -> str:
@@ -143,8 +136,9 @@ def packed_logprobs(model, ids, pos, where, targets, temperature: float):  # ids
         raise ValueError(f"packed rows need attn_implementation={PACKED_SDPA!r} (load_model sets it), the model has "
                          f"{model.config._attn_implementation!r}")
     dev = ids.device  # pos, where, targets: on the host (collate), so planning from them never waits for the device
-    hidden = model.base_model(input_ids=ids, position_ids=pos.to(dev), use_cache=False,  # every layer gets the one plan
-                              packed_plan=plan_packed_row(pos, dev)).last_hidden_state[0]  # (N, H)
+    no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev)  # 4-D: transformers makes none (nor reads the device)
+    hidden = model.base_model(input_ids=ids, position_ids=pos.to(dev), attention_mask=no_mask, use_cache=False,
+                              packed_plan=plan_packed_row(pos, dev)).last_hidden_state[0]  # (N, H), every layer one plan
     at = (targets >= 0).flatten().nonzero().flatten()  # (n,) the completion tokens' flat (B, T) indices
     y, rows, at = targets.flatten()[at].to(dev), where.flatten()[at].to(dev), at.to(dev)
     return tuple(torch.zeros(where.numel(), device=dev).index_put((at,), x).view(where.shape)  # (B, T): logp, entropy

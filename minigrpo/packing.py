@@ -38,7 +38,7 @@ def micro_batches(samples, budget: int):
 def collate(samples, device, num_seqs=None, num_tokens=None):
     """One packed row (1, N) of token ids and positions, laid out as above, a prompt's samples together. Per completion
     token (B, T): `where` is the row index whose hidden state predicts it (the prompt's last token for the first one),
-    `targets` the token, -1 past the end. Returns ((ids, pos, where, targets), Batch); the layout stays on the host."""
+    `targets` the token (-1 past the end). Returns ((ids, pos, where, targets), Batch), only ids and Batch on device."""
     B, T, ids, pos, prompt = len(samples), max(len(s.behav) for s in samples), [], [], None
     where, targets = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
     mask, behav, adv = torch.zeros(B, T), torch.zeros(B, T), torch.tensor([s.adv for s in samples])  # adv (B,)

@@ -89,7 +89,7 @@ class Storage:
             with self._naming("read", key):  # the ETag first: bytes newer than it only make a swap fail
                 etag = self.fs.info(f"{self.root}/{key}")["ETag"] if self.s3 else None
             data = self.get(key)
-            return data, etag or hashlib.sha256(data).hexdigest()
+            return data, etag if self.s3 else hashlib.sha256(data).hexdigest()
         return None, None
 
     def swap(self, key: str, data: bytes | str, token: str | None) -> str:

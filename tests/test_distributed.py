@@ -1,5 +1,6 @@
-"""torchrun: two CPU ranks (gloo) train the same LoRA weights as one process with the same global batch and give its
-held-out accuracy to the bit, each sampling half the problems; and the other ranks outwait rank 0's solo work (here: the first rollouts) past the gradient all-reduce's deadline.
+"""torchrun: two CPU ranks (gloo) train the same LoRA weights as one process with the same global batch, and give its
+held-out accuracy to the bit, each sampling half the problems; and the other ranks outwait rank 0's solo work (here:
+the first rollouts) past the gradient all-reduce's deadline.
 
     python -m pytest -q tests/test_distributed.py
 """

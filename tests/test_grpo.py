@@ -148,6 +148,38 @@ def test_t12_staleness_filter_is_strict():
     assert [RunSettings(max_staleness=4).is_fresh(10, v) for v in (10, 7, 6, 5)] == [True, True, True, False]
 
 
+def test_the_masked_metrics_equal_the_same_formulas_over_the_valid_tokens_alone():
+    """The metrics are masked sums (no boolean indexing, which would make a GPU's host wait): padding that is far off in
+    every way (ratio, clip, v) must change none of them. Reference: each formula over the valid tokens, indexed out."""
+    torch.manual_seed(1)
+    B, T = 4, 6
+    mask = (torch.rand(B, T) < 0.6).float()
+    mask[:, 0] = 1
+    behav, adv = -torch.rand(B, T), torch.tensor([1.0, -1.0, 0.5, -2.0])
+    old = behav + 0.8 * torch.randn(B, T)
+    for ratio in (None, 1.2, 0.8):  # random; every valid ratio above 1, then below (padding's ratio is 1)
+        logp = old + (0.5 * torch.randn(B, T) if ratio is None else math.log(ratio) + 0.05 * torch.rand(B, T))
+        check_masked_metrics(torch.where(mask.bool(), logp, behav + 9.0), old, behav, adv, mask)  # padding far off
+
+
+def check_masked_metrics(logp, old, behav, adv, mask):
+    B, T = mask.shape
+    _, m = loss_of(logp, old, behav, adv, mask, "dapo", tis_cap=2.0)
+    valid = mask.bool()
+    r, A = torch.exp(logp - old)[valid], adv[:, None].expand(B, T)[valid]
+    is_ratio, log_v = torch.exp(old - behav)[valid], (logp - behav)[valid]
+    v = torch.exp(log_v)
+    expected = {"tokens": valid.sum(), "ratio/mean": r.mean(), "ratio/min": r.min(), "ratio/max": r.max(),
+                "clip_ratio/low": ((r < 0.8) & (A < 0)).float().mean(), "clip_ratio/high": ((r > 1.28) & (A > 0)).float().mean(),
+                "is/mean": is_ratio.mean(), "is/frac_capped": (is_ratio > 2.0).float().mean(), "health/v_mean": v.mean(),
+                "health/v_sq_mean": (v * v).mean(), "health/mismatch_kl": ((v - 1) - log_v).mean(),
+                "health/far_frac": (log_v.abs() > math.log(2)).float().mean()}
+    assert m.keys() == expected.keys()
+    for k in expected:
+        close(m[k], expected[k], tol=1e-5)
+    assert 0 < m["health/far_frac"] < 1 and 0 < m["is/frac_capped"] < 1, "the cases are exercised"
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 def test_micro_batches_with_the_global_normaliser_match_the_full_batch(loss_type):
     torch.manual_seed(0)

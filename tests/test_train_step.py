@@ -166,15 +166,26 @@ def test_bf16_base_weights_train_float32_lora_with_float32_log_probs():
 
 
 class DeviceReads(TorchDispatchMode):
-    """Records each operation that makes a GPU's host wait for the device: reading a value (.item(), .tolist(), bool())
-    or a shape that depends on values (nonzero, boolean indexing), on a tensor computed on the device. The layout
-    collate leaves on the host, and what is computed from it alone, is on the host (tagged `host`)."""
+    """Records each operation that makes a GPU's host wait for the device: reading a value (.item(), .tolist(), bool(),
+    .cpu(), .numpy()) or a shape that depends on values (nonzero, boolean indexing), on a tensor computed on the
+    device. The layout collate leaves on the host, and what is computed from it alone, is on the host (tagged `host`);
+    .to(a device) gives a tensor of the device's (the CPU stands in for it here, where .to would return the same one)."""
 
     def __init__(self, monkeypatch):
         super().__init__()
         self.reads = []
-        tolist = torch.Tensor.tolist
-        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: self.read("tolist", [t]) or tolist(t))
+        for name in ("tolist", "cpu", "numpy"):
+            monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _f=getattr(torch.Tensor, name), _n=name, **k:
+                                self.read(_n, [t]) or _f(t, *a, **k))
+        to = torch.Tensor.to
+
+        def to_device(t, *args, **kwargs):
+            out = to(t, *args, **kwargs)
+            if any(isinstance(a, (torch.device, str)) for a in (*args, kwargs.get("device"))):
+                out = out.clone()
+                out.host = False
+            return out
+        monkeypatch.setattr(torch.Tensor, "to", to_device)
 
     def read(self, what, tensors):
         if not all(getattr(t, "host", False) for t in tensors):
@@ -182,9 +193,10 @@ class DeviceReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default) or (
-                func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default)
-                and any(t.dtype == torch.bool for t in tensors[1:])):
+        aten = torch.ops.aten
+        if func in (aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+                    aten.equal.default) or (func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)
+                                            and any(t.dtype == torch.bool for t in tensors[1:])):
             self.read(str(func), tensors)
         out = func(*args, **(kwargs or {}))
         if tensors and all(getattr(t, "host", False) for t in tensors):
@@ -196,7 +208,8 @@ class DeviceReads(TorchDispatchMode):
 
 def test_a_step_reads_the_device_once(monkeypatch):
     """One transfer a step (its metrics and the gradient norm), however many micro-batches: ~15 reads per micro-batch
-    before, some between forward and backward, each a stall of a GPU's queue."""
+    before, some between forward and backward (transformers' own check for packed rows among them), each a stall of a
+    GPU's queue."""
     import train
     model = lora_model()
     seqs = sequences(model)

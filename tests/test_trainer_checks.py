@@ -118,19 +118,20 @@ def test_float16_training_is_refused_naming_bfloat16(capsys):
     assert "--dtype" in err and "invalid choice: 'float16'" in err and "bfloat16" in err
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_float32_weights_on_a_gpu_are_named_before_the_model_loads(monkeypatch, capsys, tmp_path, dtype):
+@pytest.mark.parametrize("device,dtype", [("cuda", "float32"), ("cuda", "bfloat16"), ("cpu", "float32")])
+def test_float32_weights_on_a_gpu_are_named_before_the_model_loads(monkeypatch, capsys, tmp_path, device, dtype):
     import train
 
     def stop(*args):
         raise SystemExit("stopped before loading the model")
-    monkeypatch.setattr(train, "distributed", lambda *args: (0, 1, torch.device("cuda"), None))  # as torchrun on a GPU
+    monkeypatch.setattr(train, "distributed", lambda *args: (0, 1, torch.device(device), None))  # a GPU: as torchrun's
     monkeypatch.setattr(train, "load_model", stop)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this pytest process keeps its threads
     monkeypatch.setattr(sys, "argv", ["train.py", "--run_dir", str(tmp_path / "run"), "--dtype", dtype])
     with pytest.raises(SystemExit, match="stopped before loading"):
         train.main()
     said = "float32 base weights on a GPU take twice the memory of --dtype bfloat16, and run slower" in capsys.readouterr().out
-    assert said == (dtype == "float32")
+    assert said == (device == "cuda" and dtype == "float32")
 
 
 def test_a_generator_that_grades_otherwise_than_the_run_refuses_to_start(tmp_path):
