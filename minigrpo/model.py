@@ -3,6 +3,7 @@ the tiny model in minigrpo/demo_model (minigrpo/tools/demo.py); any other name i
 import os
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -26,16 +27,19 @@ def packed_attention(module, query, key, value, attention_mask, packed_plan=None
 
 
 def plan_packed_row(position_ids: torch.Tensor, dev) -> list[tuple]:
-    """Packed position ids (1, N) -> per run length L: the runs' token indices (k, L), their keys and mask, on dev."""
-    pos, runs = position_ids[0].tolist(), {}  # runs: length L -> [(start, q, start of its sequence)]
+    """Packed position ids (1, N) -> per run length L (on a GPU, and prefix q): the runs' tokens (k, L), keys, mask."""
+    pos, runs = position_ids[0].tolist(), {}  # runs: (L, q or 0) -> [(start, q, start of its sequence)]
     starts = [i for i in range(len(pos)) if i == 0 or pos[i] != pos[i - 1] + 1]
     for s, e in zip(starts, starts[1:] + [len(pos)]):
         if (q := pos[s]) == 0:
             seq, first = s, e - s  # a new sequence: its first run holds what its branches share
         elif q > first:
             raise ValueError(f"packed row: the run at token {s} shares {q} tokens, its sequence's first run has {first}")
-        runs.setdefault(e - s, []).append((s, q, seq))
-    return [run_plan(L, spans, dev) for L, spans in runs.items()]
+        runs.setdefault((e - s, q if dev.type in FLAG_DEVICES else 0), []).append((s, q, seq))
+    return [run_plan(L, spans, dev) for (L, _), spans in runs.items()]
+
+
+FLAG_DEVICES = ("cuda",)  # where SDPA's kernels take a lower-right causal flag; elsewhere it would be made a mask
 
 
 def run_plan(L: int, spans: list[tuple], dev):  # spans: the runs of length L, (start, q, start of its sequence)
@@ -45,7 +49,9 @@ def run_plan(L: int, spans: list[tuple], dev):  # spans: the runs of length L, (
         return idx, idx, None
     prefix = torch.arange(Q, device=dev) - (Q - q)  # (k, Q) the shared prefixes first, right-aligned: < 0 is padding
     keys = torch.cat([seq + prefix.clamp(min=0), idx], 1)  # (k, Q + L)
-    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril().expand(len(s), L, L)
+    if dev.type in FLAG_DEVICES:  # every run shares Q tokens: query i sees keys 0..Q + i, as a flag (flash kernels too)
+        return idx, keys, causal_lower_right(L, Q + L)
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril().expand(len(s), L, L)  # a dense mask, shared by layers
     return idx, keys, torch.cat([(prefix >= 0)[:, None].expand(-1, L, -1), causal], 2)[:, None]  # (k, 1, L, Q + L)
 
 
