@@ -28,7 +28,7 @@ from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpo
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.grpo import LossConfig, advantages, combine_metrics, grpo_loss, zero_std_groups
 from minigrpo.lora import adapter_config, inject_lora, load_lora_state_dict, lora_state_dict
-from minigrpo.model import load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
+from minigrpo.model import FLAG_DEVICES, load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
 from minigrpo.packing import Sample, collate, micro_batches
 from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
 from minigrpo.run import Lease, Metrics, RunSettings, create_run, fault, parse_config, tracker
@@ -317,7 +317,8 @@ def main():
     G, adapter_mb = run.group_size, sum(p.numel() for p in params) * 4 / 2**20
     print(f"trainer on {device}: {cfg.groups_per_step} groups x G={G} = {cfg.groups_per_step * G} completions per "
           f"step, {cfg.max_steps} steps, max_staleness {run.max_staleness}, adapter {adapter_mb:.2f} MB "
-          f"(published {store.url(version)}), eval on {len(eval_problems)} held-out problems\n"
+          f"(published {store.url(version)}), eval on {len(eval_problems)} held-out problems, packed attention with "
+          f"{'causal flags (flash kernels)' if device.type in FLAG_DEVICES else 'one boolean mask for each length'}\n"
           f"  {asdict(run)}\n  {asdict(cfg)}", flush=True)
     if step == 0:
         acc = evaluate_now()

@@ -141,10 +141,9 @@ def packed_logprobs(model, ids, pos, where, targets, temperature: float):  # ids
     if model.config._attn_implementation != PACKED_SDPA:
         raise ValueError(f"packed rows need attn_implementation={PACKED_SDPA!r} (load_model sets it), the model has "
                          f"{model.config._attn_implementation!r}")
-    dev = ids.device  # pos, where, targets: on the host (collate), so planning from them never waits for the device
-    no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev)  # 4-D: transformers makes none (nor reads the device)
+    dev, no_mask = ids.device, ids.new_ones(1, 1, 1, 1, dtype=torch.bool)  # 4-D: transformers makes no mask, reads nothing
     hidden = model.base_model(input_ids=ids, position_ids=pos.to(dev), attention_mask=no_mask, use_cache=False,
-                              packed_plan=plan_packed_row(pos, dev)).last_hidden_state[0]  # (N, H), every layer one plan
+                              packed_plan=plan_packed_row(pos, dev)).last_hidden_state[0]  # (N, H); pos is on the host
     at = (targets >= 0).flatten().nonzero().flatten()  # (n,) the completion tokens' flat (B, T) indices
     y, rows, at = targets.flatten()[at].to(dev), where.flatten()[at].to(dev), at.to(dev)
     return tuple(torch.zeros(where.numel(), device=dev).index_put((at,), x).view(where.shape)  # (B, T): logp, entropy
