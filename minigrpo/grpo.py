@@ -79,10 +79,10 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
         loss = (per_token * mask).sum() / (num_seqs * max_new_tokens)
 
     with torch.no_grad():  # 0-d tensors, as masked sums: no host sync (train_step reads them all once a step)
-        valid, log_v = mask.bool(), logp - behav_logp  # v = pi_theta / mu: the health signals above
-        mean = lambda x: torch.where(valid, x, 0).float().sum() / valid.sum().clamp(min=1)  # noqa: E731
+        valid, n, log_v = mask.bool(), mask.sum(), logp - behav_logp  # v = pi_theta / mu: the health signals above
+        mean = lambda x: torch.where(valid, x, 0).float().sum() / n.clamp(min=1)  # noqa: E731  over the valid tokens
         v = torch.exp(log_v.clamp(-40, 40))
-        metrics = {"tokens": mask.sum(), "ratio/mean": mean(ratio),
+        metrics = {"tokens": n, "ratio/mean": mean(ratio),
                    "ratio/min": ratio.masked_fill(~valid, math.inf).min(), "ratio/max": ratio.masked_fill(~valid, -math.inf).max(),
                    "clip_ratio/low": mean((ratio < 1 - cfg.eps_low) & (A < 0)),
                    "clip_ratio/high": mean((ratio > 1 + cfg.eps_high) & (A > 0)),
