@@ -26,7 +26,7 @@ from minigrpo.remote import HttpEngine, ServerError
 from minigrpo.rollouts import Group, RolloutBuffer
 from minigrpo.run import Metrics, RunSettings, join_run, lease_view, parse_config, tracker
 from minigrpo.storage import Storage
-from minigrpo.tasks import make_task, prompt_ids, score
+from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
 @dataclass
@@ -59,8 +59,7 @@ def waiting_groups(buffer: RolloutBuffer, watch: dict, writer: str, written: int
     raw = None
     with contextlib.suppress(FileNotFoundError, ValueError):
         raw = buffer.storage.get("owner.json")
-    if raw != watch.get("raw"):
-        watch |= {"raw": raw, "since": time.monotonic()}
+    watch |= {"raw": raw, "since": time.monotonic()} if raw != watch.get("raw") else {}
     lease = lease_view(raw)
     watch["live"] = raw is not None and time.monotonic() - watch["since"] <= lease["timeout_s"]  # a trainer runs the run
     unseen, n = written - 1 - lease["seen"].get(writer, -1), lease["writers"] + (writer not in lease["seen"])
@@ -89,6 +88,7 @@ def main():
         tokenizer = AutoTokenizer.from_pretrained(folder := resolve_model(run.model))
         api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
         engine = HttpEngine(cfg.url, api_key, cfg.max_inflight, run.max_staleness + 1, model=folder)
+    check_turns(tokenizer, run)  # --max_turns: a template that rewrites earlier turns is refused
     sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
     buffer, store = RolloutBuffer(storage, meta["run_id"]), AdapterStore(storage, meta["run_id"])
     shown = asdict(cfg) | {"api_key": "***" if cfg.api_key else ""}  # a secret: neither printed nor tracked
@@ -102,11 +102,10 @@ def main():
     watch = {"raw": None, "since": time.monotonic()}  # while the lease is live, no look for DONE (2 requests on S3)
     batch, written, idle_since, skipped, made = 0, 0, time.time(), set(), {}  # made: groups sampled per version
     while (not cfg.max_batches or batch < cfg.max_batches) and (watch.get("live") or not storage.exists("DONE")):
-        # wait: the next batch would leave > --max_ready waiting, or (lock-step) this version made a step's groups
         waiting, lease = waiting_groups(buffer, watch, writer, written, cfg.prompts_per_batch)
         if waiting > cfg.max_ready or (cfg.lockstep and made.get(engine.version, 0) >= lease["groups_per_step"]
                                        and (store.latest() or 0) <= engine.version):
-            time.sleep(poll_s)
+            time.sleep(poll_s)  # > --max_ready would wait, or (lock-step) this version made a step's groups
             continue
         backpressure_s, t0 = time.time() - idle_since, time.time()
         if (latest := store.latest()) is not None and latest != engine.version and latest not in skipped:
@@ -120,30 +119,25 @@ def main():
             idle_since = time.time()
             time.sleep(poll_s)
             continue
-        sync_s = time.time() - t0
 
-        problems = [task.sample(rng) for _ in range(cfg.prompts_per_batch)]
-        prompts = [prompt_ids(tokenizer, p.prompt, run.system_prompt) for p in problems]
-        started, version = time.time(), engine.version
-        completions = engine.generate(prompts, sampling)
-        gen_s, rewards = time.time() - started, score(task, tokenizer, problems, completions)
-        groups = [Group(
-            prompt_ids=prompt, completion_ids=[c.token_ids for c in group], behavior_logprobs=[c.logprobs for c in group],
-            rewards=r, truncated=[c.finish_reason == "length" for c in group], policy_version=version,
-            temperature=run.temperature, adapter_digest=group[0].adapter_digest, started_at=started,
+        sync_s, problems = time.time() - t0, [task.sample(rng) for _ in range(cfg.prompts_per_batch)]
+        prompts = [prompt_ids(tokenizer, task.reset(p), run.system_prompt) for p in problems]
+        started, version = time.time(), engine.version  # one version: no adapter loads between a conversation's turns
+        (completions, rewards), gen_s = rollout(engine, tokenizer, task, problems, prompts, sampling, run), time.time() - started
+        groups = [Group(prompt_ids=prompt, completion_ids=[c.token_ids for c in group], loss_mask=[c.mask for c in group],
+            rewards=r, behavior_logprobs=[c.logprobs for c in group], truncated=[c.finish_reason == "length" for c in group],
+            policy_version=version, temperature=run.temperature, adapter_digest=group[0].adapter_digest, started_at=started,
             finished_at=time.time(), grader=task.grader) for prompt, group, r in zip(prompts, completions, rewards)]
-        written += len(buffer.write(groups, writer, seq=written))
+        written, batch = written + len(buffer.write(groups, writer, seq=written)), batch + 1
         made[version] = made.get(version, 0) + len(prompts)
-        batch += 1
 
-        n_tok, flat = sum(len(c.token_ids) for g in completions for c in g), [x for r in rewards for x in r]
+        n_tok, flat = sum(sum(c.mask) for g in completions for c in g), [x for r in rewards for x in r]  # sampled
         record = {"batch": batch, "generator": gen_id, "policy_version": version, "reward/mean": sum(flat) / len(flat),
                   "completions/mean_length": n_tok / len(flat), "rollout/generated_tok_s": n_tok / gen_s,
                   "rollout/backpressure_s": backpressure_s, "perf/weight_sync_s": sync_s, "perf/generate_s": gen_s,
                   "adapters_skipped": len(skipped), "time": time.time()}
-        metrics.log(record, f"gen {gen_id} batch {batch} | v{version} | reward {record['reward/mean']:.3f} | "  # a line
-                    f"{record['rollout/generated_tok_s']:.0f} tok/s | backpressure {backpressure_s:.2f}s"  # per version
-                    if made[version] == len(prompts) else None)
+        metrics.log(record, f"gen {gen_id} batch {batch} | v{version} | reward {record['reward/mean']:.3f} | "  # once per version
+                    f"{n_tok / gen_s:.0f} tok/s | backpressure {backpressure_s:.2f}s" if made[version] == len(prompts) else None)
         idle_since = time.time()
     print(f"generator {gen_id} stopped after {batch} batches", flush=True)
     metrics.finish()

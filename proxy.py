@@ -48,10 +48,9 @@ def reply(a: Answer, headers: dict | None = None) -> web.Response:
 
 class Proxy:
     def __init__(self, cfg: ProxyConfig):
-        self.cfg, self.upstreams = cfg, [u.rstrip("/") for u in cfg.upstream]
+        self.cfg, self.upstreams, self.loading = cfg, [u.rstrip("/") for u in cfg.upstream], collections.defaultdict(asyncio.Lock)
         self.router, self.inflight = PrefixRouter(len(cfg.upstream), imbalance=cfg.imbalance), [0] * len(cfg.upstream)
         self.auth = P.bearer(cfg.upstream_token or os.environ.get("HF_TOKEN", ""))
-        self.loading = collections.defaultdict(asyncio.Lock)  # one load per adapter name at a time
 
     async def send(self, i: int, request: web.Request, path="", method="", body=b"") -> Answer:
         """The client's request to replica i (or, with `path`, one of the proxy's own), less HOP_HEADERS."""
@@ -61,11 +60,10 @@ class Proxy:
             async with self.session.request(method or request.method, self.upstreams[i] + path, params=request.query, data=body,
                                             headers=forwardable(request.headers) | self.auth) as r:
                 return Answer(r.status, await r.read(), forwardable(r.headers))
-        except asyncio.TimeoutError:
-            return Answer(504, f"proxy: {self.upstreams[i]}: timed out after {self.cfg.request_timeout_s:.0f}s".encode(), {})
-        except aiohttp.ClientError as e:
-            return Answer(502, f"proxy: {self.upstreams[i]}: {type(e).__name__}: {e}".encode(), {},
-                          unreachable=isinstance(e, aiohttp.ClientConnectorError))
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:  # a timeout is a 504, any other failure a 502
+            late, unreachable = isinstance(e, asyncio.TimeoutError), isinstance(e, aiohttp.ClientConnectorError)
+            why = f"timed out after {self.cfg.request_timeout_s:.0f}s" if late else f"{type(e).__name__}: {e}"
+            return Answer(504 if late else 502, f"proxy: {self.upstreams[i]}: {why}".encode(), {}, unreachable)
         finally:
             self.inflight[i] -= 1
 
@@ -99,7 +97,7 @@ class Proxy:
                 await asyncio.sleep(self.cfg.retry_s)
             return a
 
-        async with self.loading[name]:
+        async with self.loading[name]:  # one load per adapter name at a time
             answers = await asyncio.gather(*(load(i) for i in range(len(self.upstreams))))
             loaded = [i for i, a in enumerate(answers) if a.status == 200]
             already = [i for i, a in enumerate(answers) if a.status == 400 and P.LOADED.encode() in a.body]

@@ -33,7 +33,7 @@ from minigrpo.packing import Sample, collate, micro_batches
 from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
 from minigrpo.run import Lease, Metrics, RunSettings, create_run, fault, parse_config, tracker
 from minigrpo.storage import Storage
-from minigrpo.tasks import make_task, prompt_ids, score
+from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
 @dataclass
@@ -71,8 +71,7 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
 
     def __post_init__(self):
         super().__post_init__()
-        if self.tis_cap is None and self.old_logp == "recompute":
-            self.tis_cap = 2.0
+        self.tis_cap = 2.0 if self.tis_cap is None and self.old_logp == "recompute" else self.tis_cap
 
 
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats):
@@ -81,14 +80,11 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats)
     t0, last_seen, told, groups, caught, taken_n, said = time.time(), time.time(), 0.0, [], [], 0, 0
     while len(groups) < cfg.groups_per_step:
         taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
-        taken_n, kept, fresh = taken_n + len(taken), len(groups), []
-        for g in taken:
-            if not run.is_fresh(version, g.policy_version):
-                stats["dropped_stale_total"] += 1
-            elif cfg.loss_type == "dapo" and len(set(g.rewards)) == 1:  # zero std: no signal
-                stats["dropped_zero_std_total"] += 1
-            else:
-                fresh.append(g)
+        taken_n, kept = taken_n + len(taken), len(groups)
+        recent = [g for g in taken if run.is_fresh(version, g.policy_version)]
+        fresh = [g for g in recent if cfg.loss_type != "dapo" or len(set(g.rewards)) != 1]  # dapo, zero std: no signal
+        stats["dropped_stale_total"] += len(taken) - len(recent)
+        stats["dropped_zero_std_total"] += len(recent) - len(fresh)
         for g, gap, tol in (lies := audit(fresh)):
             buffer.quarantine(g.group_id, g, f"PolicyMismatch: policy_version: v{g.policy_version}'s "
                               f"weights give a mean |log pi - log mu| of {gap:.4f} a token (tolerance {tol:g})", stats)
@@ -115,9 +111,8 @@ def build_samples(groups, run, cfg):  # one Sample per completion, with its grou
     rewards = torch.tensor([r for g in groups for r in g.rewards])  # (N*G,)
     lengths = torch.tensor([len(c) for g in groups for c in g.completion_ids])  # (N*G,)
     adv = iter(advantages(rewards, run.group_size, scale_rewards=cfg.loss_type != "dr_grpo").tolist())  # (N*G,)
-    samples = [Sample(g.prompt_ids + c, len(g.prompt_ids), lp, next(adv))
-               for g in groups for c, lp in zip(g.completion_ids, g.behavior_logprobs)]
-    return samples, rewards, lengths
+    return [Sample(g.prompt_ids + c, len(g.prompt_ids), lp, next(adv), m)
+            for g in groups for c, lp, m in zip(g.completion_ids, g.behavior_logprobs, g.loss_mask)], rewards, lengths
 
 
 def policy_tol(cfg, run) -> float:  # bf16 rounds more: honest max gaps f32 9e-7, bf16 6e-3, mixed 0.03 (bench_honest_gap)
@@ -134,8 +129,7 @@ def audit(model, groups, weights_of, run, cfg, device) -> list:
         if (weights := weights_of(v)) is None:  # gone with retention: nothing to compare with
             continue
         load_lora_state_dict(model, weights)
-        mine = [g for g in groups if g.policy_version == v]
-        samples = build_samples(mine, run, cfg)[0]
+        samples = build_samples(mine := [g for g in groups if g.policy_version == v], run, cfg)[0]
         owner, gap = {id(s): i // run.group_size for i, s in enumerate(samples)}, torch.zeros(len(mine), device=device)
         with torch.no_grad():
             for mb in micro_batches(samples, cfg.micro_batch_tokens):
@@ -143,16 +137,14 @@ def audit(model, groups, weights_of, run, cfg, device) -> list:
                 logp = packed_logprobs(model, *inputs, run.temperature)[0]  # (b, T)
                 sums = ((logp - batch.behav).abs() * batch.mask).sum(1)  # (b,) each sample's summed gap
                 gap.index_add_(0, torch.tensor([owner[id(s)] for s in mb], device=device), sums)
-        gap = gap.tolist()  # one read of the device for all micro-batches
-        caught += [(g, gap[i] / n, tol) for i, g in enumerate(mine) if gap[i] > tol * (n := sum(map(len, g.completion_ids)))]
+        caught += [(g, s / n, tol) for g, s in zip(mine, gap.tolist()) if s > tol * (n := sum(map(sum, g.loss_mask)))]
     load_lora_state_dict(model, current)
     return caught
 
 
 def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
-    """Forward/backward over packed micro-batches with the whole batch's normaliser, then one AdamW step; the device is
-    read once, at the end. Data-parallel: each rank takes its share of the micro-batches, then the gradients are summed."""
-    num_tokens = sum(len(s.behav) for s in samples)  # of the whole batch, on every rank
+    """Forward/backward over this rank's packed micro-batches with the whole batch's normaliser, then one AdamW step."""
+    num_tokens = sum(sum(s.mask) for s in samples)  # sampled tokens of the whole batch, on every rank
     mbs, parts = micro_batches(samples, cfg.micro_batch_tokens)[rank::world], []  # largest first, dealt out in turn
     model.train(cfg.gradient_checkpointing)  # transformers checkpoints only in train mode (no dropout in these models)
     for mb in mbs:
@@ -177,12 +169,11 @@ def train_step(model, optimizer, samples, run, cfg, device, rank=0, world=1):
         dist.all_gather_object(every := [None] * world, parts)
         parts = [m for mine in every for m in mine]
     loss_sum = sum(m.pop("loss") for m in parts)
-    skipped = not (math.isfinite(loss_sum) and math.isfinite(grad_norm))  # the same on every rank
-    if not skipped:  # a non-finite step would turn every weight into NaN
+    if finite := math.isfinite(loss_sum) and math.isfinite(grad_norm):  # alike on every rank; else every weight turns NaN
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return combine_metrics(parts) | {"loss": loss_sum, "grad_norm": grad_norm, "perf/micro_batches": len(mbs),
-                                     "train/skipped_nonfinite": int(skipped)}
+                                     "train/skipped_nonfinite": int(not finite)}
 
 
 def distributed(device: str, timeout_s: float):
@@ -195,31 +186,27 @@ def distributed(device: str, timeout_s: float):
         if local >= torch.cuda.device_count():
             raise SystemExit(f"torchrun started local rank {local}, but {torch.cuda.device_count()} GPUs are visible: "
                              f"--nproc_per_node must be at most that (or set CUDA_VISIBLE_DEVICES)")
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device := torch.device("cuda", local))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
     return dist.get_rank(), world, device, dist.new_group(backend="gloo", timeout=timedelta(days=365))
 
 
 def share(obj, group):  # rank 0's object on every rank (the batch of samples: kilobytes to megabytes of token ids)
-    box = [obj]
     if group is not None:
-        dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+        dist.broadcast_object_list(box := [obj], src=0, group=group)
+    return obj if group is None else box[0]
 
 
 def evaluate(engine, tokenizer, task, problems, run, seed, batch_tokens, rank=0, world=1, group=None) -> float:
-    """pass@1 at the run's temperature on a fixed held-out set, at most batch_tokens KV-cache tokens at once. Problem i
-    has its own seed: the same draws in any batch, on any rank (r takes r, r + world, ...) and at every evaluation."""
-    mine = range(rank, len(problems), world)
-    prompts = [prompt_ids(tokenizer, problems[i].prompt, run.system_prompt) for i in mine]
+    """pass@1 at the run's temperature on a fixed held-out set (--max_turns: a whole conversation's reward), at most
+    batch_tokens KV-cache tokens at once. Problem i has its own seed: the same draws in any batch, rank and evaluation."""
+    ids, mine = range(rank, len(problems), world), problems[rank::world]
+    prompts = [prompt_ids(tokenizer, task.reset(p), run.system_prompt) for p in mine]
     batch_size = max(1, batch_tokens // (max(map(len, prompts), default=0) + run.max_new_tokens))
-    params = [SamplingParams(max_tokens=run.max_new_tokens, temperature=run.temperature, seed=seed * 1_000_003 + i)
-              for i in mine]
-    outs = [c for i in range(0, len(prompts), batch_size)
-            for c in engine.generate(prompts[i:i + batch_size], params[i:i + batch_size])]
-    scores = [r[0] for r in score(task, tokenizer, [problems[i] for i in mine], outs)]
+    params = [SamplingParams(max_tokens=run.max_new_tokens, temperature=run.temperature, seed=seed * 1_000_003 + i) for i in ids]
+    scores = [r[0] for i in range(0, len(prompts), batch_size) for r in rollout(
+        engine, tokenizer, task, mine[i:i + batch_size], prompts[i:i + batch_size], params[i:i + batch_size], run)[1]]
     if world > 1:  # every rank's scores, back in problem order: the same sum as one process's
         dist.all_gather_object(every := [None] * world, scores, group=group)
         scores = [every[i % world][i // world] for i in range(len(problems))]
@@ -267,8 +254,7 @@ def resume(storage, model, optimizer, cfg, committed) -> dict | None:
 
 def main():
     run, cfg = parse_config(RunSettings, TrainConfig)
-    rank, world, device, waiting = distributed(cfg.device, cfg.collective_timeout_s)
-    storage = Storage(cfg.run_dir)
+    (rank, world, device, waiting), storage = distributed(cfg.device, cfg.collective_timeout_s), Storage(cfg.run_dir)
     if rank == 0 and storage.exists("DONE"):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): pass another --run_dir.")
     task = make_task(run)  # the task and the model first: a bad flag stops it before the run directory records it
@@ -277,15 +263,15 @@ def main():
         print("train.py: float32 base weights on a GPU take twice the memory of --dtype bfloat16, and run slower", flush=True)
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(run.model, device, cfg.dtype)
+    check_turns(tokenizer, run)
     inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})  # no input gradients needed
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
-    # the ranks of one job share rank 0's lease; a lock-step generator reads groups_per_step from it
     lease = Lease(storage, cfg.lease_timeout_s, groups_per_step=cfg.groups_per_step) if rank == 0 else None
-    if lease and (old := lease.acquire()):
+    if lease and (old := lease.acquire()):  # the job's ranks share rank 0's; lock-step generators read its groups_per_step
         print(f"continuing after trainer {old['owner'] or '?'} (host {old['host']}, epoch {old['epoch']}), now gone", flush=True)
     meta = create_run(storage, run, task.grader) if rank == 0 else None
     buffer, eval_problems = RolloutBuffer(storage, meta and meta["run_id"]), task.eval_problems(cfg.eval_size)
@@ -305,15 +291,13 @@ def main():
             train_step(model, optimizer, share(None, waiting), run, cfg, device, rank, world)
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
                 evaluate_now()
-        dist.destroy_process_group()
-        return
+        return dist.destroy_process_group()
     ledger = Ledger(state and state["ledger"])
     buffer.collect(ledger.collect, lease.fenced)  # idempotent: a crash may have cut the last garbage collection short
     store, metrics = AdapterStore(storage, meta["run_id"]), Metrics(storage, f"train-e{lease.info['epoch']:06d}",
         tracker(cfg.report_to, cfg.tracker_project, f"{meta['run_id']}-train", asdict(run) | asdict(cfg)), "train")
-    # ---- publish first: version 0 is the untrained adapter, a resume publishes its weights under a new name ----
-    version = store.next_version(at_least=state["version"] + 1 if state else 0)
-    version = publish(store, lease, model, version, peft_config, run, step)[0]
+    version = store.next_version(at_least=state["version"] + 1 if state else 0)  # a resume: its weights, under a new name
+    version = publish(store, lease, model, version, peft_config, run, step)[0]  # publish first: v0, the untrained adapter
     G, adapter_mb = run.group_size, sum(p.numel() for p in params) * 4 / 2**20
     print(f"trainer on {device}: {cfg.groups_per_step} groups x G={G} = {cfg.groups_per_step * G} completions per "
           f"step, {cfg.max_steps} steps, max_staleness {run.max_staleness}, adapter {adapter_mb:.2f} MB "
@@ -321,24 +305,19 @@ def main():
           f"{'causal flags (flash kernels)' if device.type in FLAG_DEVICES else 'one boolean mask for each length'}\n"
           f"  {asdict(run)}\n  {asdict(cfg)}", flush=True)
     if step == 0:
-        acc = evaluate_now()
-        metrics.log({"step": 0, "eval/accuracy": acc, "version": version, "time": time.time()},
+        metrics.log({"step": 0, "eval/accuracy": (acc := evaluate_now()), "version": version, "time": time.time()},
                     f"step 0/{cfg.max_steps} | eval/accuracy {acc:.3f} (n={len(eval_problems)}"
                     + (f", split over {world} ranks)" if world > 1 else ")"))
 
     for step in range(step + 1, cfg.max_steps + 1):
-        t0 = time.time()
-        validate = partial(check_group, run=meta, vocab_size=model.config.vocab_size, version=version,
-                           digest_of=store.digest, reward_range=getattr(task, "reward_range", (0.0, 1.0)))
+        t0, validate = time.time(), partial(check_group, run=meta, vocab_size=model.config.vocab_size, version=version,
+                                            digest_of=store.digest, reward_range=getattr(task, "reward_range", (0.0, 1.0)))
         check = partial(audit, model, weights_of=lambda v: store.weights(v)[0], run=run, cfg=cfg, device=device)
         groups, caught, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, check, stats)
-        lease.write(**buffer.progress(lease.timeout_s), step=step, version=version,  # the generators may fill the room
-                    groups_per_step=cfg.groups_per_step)
-        staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains
-        samples, rewards, lengths = build_samples(groups, run, cfg)
-        t1 = time.time()
-        m = train_step(model, optimizer, share(samples, waiting), run, cfg, device, 0, world)
-        fwd_bwd_s, sync_s = time.time() - t1, 0.0
+        lease.write(**buffer.progress(lease.timeout_s), step=step, version=version, groups_per_step=cfg.groups_per_step)
+        staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains: not the record's
+        (samples, rewards, lengths), t1, sync_s = build_samples(groups, run, cfg), time.time(), 0.0
+        m, fwd_bwd_s = train_step(model, optimizer, share(samples, waiting), run, cfg, device, 0, world), time.time() - t1
         stats["policy_mismatch_total"] += len(caught)
         if m["train/skipped_nonfinite"]:  # no update was made: say so, and keep the groups out of any later step
             print(f"NON-FINITE STEP {step} SKIPPED: loss {m['loss']}, grad norm {m['grad_norm']}; its groups go to "
@@ -347,12 +326,10 @@ def main():
                 buffer.quarantine(g.group_id, g, f"NonFinite: loss: {m['loss']} at step {step}", stats)
         if step % cfg.sync_every == 0:
             version, sync_s = publish(store, lease, model, version + 1, peft_config, run, step)
-        # the record's version is the one this step just published; staleness was measured before it
-        record = {"step": step, "version": version, "loss": m["loss"], "reward/mean": rewards.mean().item(),
-                  "reward/std": rewards.std().item(), "completions/mean_length": lengths.float().mean().item(),
-                  "frac_reward_zero_std": zero_std_groups(rewards, run.group_size).float().mean().item(),
+        record = {"step": step, "version": version, "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
+                  "loss": m["loss"], "frac_reward_zero_std": zero_std_groups(rewards, run.group_size).float().mean().item(),
+                  "completions/mean_length": lengths.float().mean().item(), **{k: v for k, v in m.items() if k != "tokens"},
                   "completions/truncated_frac": sum(t for g in groups for t in g.truncated) / len(lengths),
-                  **{k: v for k, v in m.items() if k != "tokens"},
                   "sample/staleness_mean": sum(staleness) / len(staleness), "sample/staleness_max": max(staleness),
                   **{f"sample/{k}": v for k, v in stats.items()}, "group_ids": [g.group_id for g in groups]}
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
@@ -366,17 +343,14 @@ def main():
         if caught:  # the field's costliest async-LoRA bug: say it on the step line, not only in the metrics
             acc += (f" | POLICY MISMATCH: {len(caught)} groups quarantined, not sampled with the weights they name "
                     f"(v{sorted({g.policy_version for g in caught})}, generators {sorted({g.generator_id for g in caught})})")
-        # the record comes before the checkpoint that covers it: a redone step's newer life writes a newer one
-        fault("before_metrics", step)
-        metrics.log(record, f"step {step}/{cfg.max_steps} | reward {record['reward/mean']:.3f} | "
-                            f"ratio {m['ratio/mean']:.4f} | clip {m['clip_ratio/low']:.3f}/{m['clip_ratio/high']:.3f} | "
-                            f"stale {record['sample/staleness_mean']:.1f} | v{version} | wait {wait_s:.2f}s | "
-                            f"dt {record['perf/step_s']:.2f}s{acc}")
+        fault("before_metrics", step)  # logged before the checkpoint covering it: a redone step's newer life writes a newer one
+        metrics.log(record, f"step {step}/{cfg.max_steps} | reward {record['reward/mean']:.3f} | ratio {m['ratio/mean']:.4f} | "
+            f"clip {m['clip_ratio/low']:.3f}/{m['clip_ratio/high']:.3f} | stale {record['sample/staleness_mean']:.1f} | "
+            f"v{version} | wait {wait_s:.2f}s | dt {record['perf/step_s']:.2f}s{acc}")
         fault("after_metrics", step)
         if step % cfg.save_every == 0 or step == cfg.max_steps:
-            name = save_checkpoint(storage, step, lease.info["epoch"], finite_weights(model), peft_config, optimizer,
-                                   {"stats": stats, "version": version, "ledger": ledger.state(), "run": asdict(run),
-                                    "config": asdict(cfg)})
+            name = save_checkpoint(storage, step, lease.info["epoch"], finite_weights(model), peft_config, optimizer, {
+                "stats": stats, "version": version, "ledger": ledger.state(), "run": asdict(run), "config": asdict(cfg)})
             lease.write(checkpoints=[*(lease.info["checkpoints"] or [])[-1:], name])  # the commit: fails once deposed
             fault("after_checkpoint", step)
             ledger.advance()

@@ -20,14 +20,14 @@ import time
 
 import torch
 
-from common import ROOT, report
+from common import ROOT, report, score
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.lora import inject_lora
 from minigrpo.model import load_model, stop_token_ids
 from minigrpo.rollouts import Group
 from minigrpo.run import RunSettings, read_records
 from minigrpo.storage import Storage
-from minigrpo.tasks import make_task, prompt_ids, score
+from minigrpo.tasks import make_task, prompt_ids
 from train import TrainConfig, build_samples, train_step
 
 STEPS, PROMPTS, REPEATS = 20, 16, 3

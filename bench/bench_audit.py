@@ -13,13 +13,13 @@ import time
 
 import torch
 
-from common import report
+from common import report, score
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.lora import inject_lora, load_lora_state_dict, lora_state_dict
 from minigrpo.model import load_model, stop_token_ids
 from minigrpo.rollouts import Group
 from minigrpo.run import RunSettings
-from minigrpo.tasks import make_task, prompt_ids, score
+from minigrpo.tasks import make_task, prompt_ids
 from train import TrainConfig, audit, build_samples, train_step
 
 

@@ -63,3 +63,10 @@ def stop_all(procs, logs):
         p.wait()
     for log in logs:
         log.close()
+
+
+def score(task, tokenizer, problems, completions) -> list[list[float]]:
+    """Rewards for completions[i][j], the j-th sample for problems[i] (special tokens such as EOS stripped): one turn,
+    as minigrpo.tasks.rollout scores it with --max_turns 1."""
+    return [[task.reward(tokenizer.decode(c.token_ids, skip_special_tokens=True), p.answer) for c in group]
+            for p, group in zip(problems, completions)]

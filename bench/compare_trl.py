@@ -11,7 +11,7 @@ answers graded by their last number, a system prompt, 48 new tokens, 4 groups a 
 gets conversational prompts that its chat template turns into minigrpo's prompt ids, to the token (checked).
 
 The arms, all from the shipped base (minigrpo/demo_model), with the same tokenizer and raw-text prompts (the demo
-tokenizer's chat template adds nothing to them), the same reward (minigrpo.tasks.score on the training problems), LoRA r=8,
+tokenizer's chat template adds nothing to them), the same reward (bench/common.score on the training problems), LoRA r=8,
 alpha=16 on the same seven projections, learning rate 3e-3 (constant), G=8 completions per prompt, 256
 completions (32 groups) per optimizer step, at most 8 new tokens, temperature 1, top_p 1, top_k off, float32, on
 the CPU. These are minigrpo's defaults, read from its config classes, so the TRL arms follow any change to them:
@@ -90,7 +90,8 @@ def trl_worker(args):
     from minigrpo.lora import adapter_config, adapter_files
     from minigrpo.model import resolve_model
     from minigrpo.storage import Storage
-    from minigrpo.tasks import Problem, make_task, prompt_ids, score
+    from minigrpo.tasks import Problem, make_task, prompt_ids
+    from common import score
 
     torch.set_num_threads(args.threads)
     m = matched(args.model, args.task_data)
@@ -109,7 +110,7 @@ def trl_worker(args):
                                   "answer": p.answer} for p in train_set])
 
     def reward(prompts, completions, completion_ids, answer, **_):
-        """minigrpo's reward, through minigrpo's score: the same decoding (special tokens stripped) and comparison."""
+        """minigrpo's reward, through score (bench/common.py): the same decoding (special tokens stripped) and comparison."""
         problems = [Problem("", a) for a in answer]
         return [r[0] for r in score(task, tokenizer, problems, [[SimpleNamespace(token_ids=c)] for c in completion_ids])]
 

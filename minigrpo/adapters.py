@@ -1,9 +1,7 @@
-"""Versioned adapter publishing: how new weights reach the generators without NCCL.
-
-Version v is the PEFT directory RUN/adapters/policy-<run id>-v<v:06d>/ (v0, with B = 0, is exactly the base model),
-named by RUN/adapters/LATEST once its weights, written last, exist. A name always means one set of weights (vLLM
-keys its prefix cache by adapter name): names carry the run id, and adapter_config.json claims a name create-only
-and stays when retention deletes the weights, so no restart and no deposed trainer ever writes a name twice."""
+"""Versioned adapter publishing, how new weights reach the generators without NCCL: version v is the PEFT directory
+RUN/adapters/policy-<run id>-v<v:06d>/ (v0, B = 0, is the base model exactly), named by RUN/adapters/LATEST once its weights,
+written last, exist. A name means one set of weights (vLLM keys its prefix cache by it): names carry the run id, and
+adapter_config.json claims a name create-only and outlives the weights, so no restart or deposed trainer writes a name twice."""
 import contextlib
 import re
 
@@ -48,15 +46,13 @@ class AdapterStore:
         return version
 
     def set_latest(self, version: int, keep: int):
-        """Point LATEST at a version only if it still holds what this store last wrote there (after a refusal, and the
-        fence's look at the lease, whatever it holds now); then delete the weights of versions that left the window
-        one publish ago (a server may re-read an evicted adapter from its path)."""
+        """Point LATEST at a version if it still holds this store's last write (after a refusal and the fence's look at the lease:
+        what it holds now), then delete weights that left the window a publish ago (a server may re-read an evicted adapter)."""
         token, self.token = self.token or self.storage.versioned("adapters/LATEST")[1], None  # None until it lands
         self.token = self.storage.swap("adapters/LATEST", self.name(version) + "\n", token)
         old = range(max(0, version - keep - 1) if self.kept_from is None else self.kept_from, version - keep)
         self.storage.delete([f"adapters/{self.name(v)}/adapter_model.safetensors" for v in old])
-        self.kept_from = max(old.start, version - keep)
-        self.kept = {v: kept for v, kept in self.kept.items() if v >= version - keep}
+        self.kept_from, self.kept = max(old.start, version - keep), {v: w for v, w in self.kept.items() if v >= version - keep}
 
     def weights(self, version: int) -> tuple[dict | None, str]:
         """(a version's LoRA tensors, their digest), or (None, "") once they are gone; read once, kept in the window."""

@@ -1,7 +1,6 @@
-"""Trainer checkpoints: RUN/checkpoints/step-NNNNNN-eEEEEEE/ (the step, the epoch of the trainer life that wrote it)
-holds the adapter, optimizer.pt (AdamW and RNG state), trainer_state.json (step, version, counters, the ledger, the
-configuration) and, written last, MANIFEST: each file's sha256. A checkpoint counts once the lease names it
-(train.py commits it there, with a conditional write); resume skips a damaged one and names it."""
+"""Trainer checkpoints: RUN/checkpoints/step-NNNNNN-eEEEEEE/ (the step, the writing life's epoch) holds the adapter, optimizer.pt
+(AdamW and RNG state), trainer_state.json (step, version, counters, the ledger, the configuration) and, written last, MANIFEST:
+each file's sha256. It counts once the lease names it (train.py's conditional write); resume skips and names a damaged one."""
 import hashlib
 import io
 import json
@@ -28,8 +27,7 @@ def save_checkpoint(storage, step: int, epoch: int, model_state: dict, adapter_c
     return name
 
 
-def prune_checkpoints(storage, keep: list[str]):
-    """Delete the checkpoints older than those the lease names, what killed or deposed lives left among them too."""
+def prune_checkpoints(storage, keep: list[str]):  # delete all older than the lease's, those of killed or deposed lives too
     oldest = min(int(NAME.match(s)[1]) for s in keep)
     storage.delete([f"checkpoints/{s}" for s in storage.list("checkpoints") if (m := NAME.match(s)) and int(m[1]) < oldest],
                    recursive=True)

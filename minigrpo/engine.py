@@ -2,7 +2,7 @@
 sampled token comes with its behaviour log-prob, log softmax(logits / temperature) in float32 as `vllm serve
 --logprobs-mode processed_logprobs` reports it, which the trainer reproduces exactly (ratio 1 at version 0). Both
 engines (remote.py: http) offer load_adapter(version, path), between batches, and generate(prompts, params)."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, __version__
@@ -27,6 +27,7 @@ class Completion:
     logprobs: list[float]  # behaviour log-prob of each sampled token
     finish_reason: str  # "stop" (a stop token was sampled) or "length" (hit max_tokens)
     adapter_digest: str = ""  # lora.adapter_digest of the weights that sampled it; "" for the base model
+    mask: list[int] | None = field(default=None, kw_only=True)  # tasks.rollout: 1 where the policy sampled, 0 the task's reply
 
 
 def per_row(rows, field: str, device, dtype=torch.float32) -> torch.Tensor:  # (B,)
@@ -53,8 +54,7 @@ class Sampler:  # one batch's rules over rows (prompt, params, sample index); re
 class TorchEngine:
     def __init__(self, model, stop_ids: list[int], pad_id: int, seed: int = 0):
         self.model, self.stop_ids, self.pad_id, self.device = model, list(stop_ids), pad_id, next(model.parameters()).device
-        self.rng = torch.Generator(self.device).manual_seed(seed)  # for rows without a seed of their own
-        self.version, self.digest = None, ""  # adapter version now loaded, and its digest
+        self.rng, self.version, self.digest = torch.Generator(self.device).manual_seed(seed), None, ""  # rng: for unseeded rows
 
     def load_adapter(self, version: int, path: str):
         self.digest, self.version = load_adapter(self.model, path), version
@@ -70,29 +70,26 @@ class TorchEngine:
     def generate(self, prompts: list[list[int]], params) -> list[list[Completion]]:
         """Sample params.n completions for each prompt (token ids), all in one batch; params may differ per prompt."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
-        rows = [(p, sp, i) for p, sp in zip(prompts, params) for i in range(sp.n)]  # prompt-major, as vLLM orders
-        unique = {}  # each distinct prompt is prefilled once; its rows start from copies of its KV cache
+        rows, unique = [(p, sp, i) for p, sp in zip(prompts, params) for i in range(sp.n)], {}  # prompt-major, as vLLM orders
         src = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p, _, _ in rows], device=self.device)  # (B,)
-        B, L = len(rows), max(map(len, unique))  # left-pad: every row's next token is in the last column
-        ids = torch.tensor([[self.pad_id] * (L - len(p)) + list(p) for p in unique], device=self.device)  # (U, L)
+        B, L, limit = len(rows), max(map(len, unique)), per_row(rows, "max_tokens", self.device, torch.long)  # limit (B,)
+        ids = torch.tensor([[self.pad_id] * (L - len(p)) + list(p) for p in unique], device=self.device)  # (U, L) left-padded
         mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in unique], device=self.device)  # (U, L)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (U, L) positions ignore the padding
-        limit = per_row(rows, "max_tokens", self.device, torch.long)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (U, L) skipping the padding, which puts each row's next token last
         gens = {r: torch.Generator(self.device).manual_seed(sp.seed + i) for r, (_, sp, i) in enumerate(rows)
                 if sp.seed is not None}
 
-        logits = self._forward(ids, mask, pos, cache := DynamicCache())[src]  # (B, V)
-        cache.reorder_cache(src)
+        logits = self._forward(ids, mask, pos, cache := DynamicCache())[src]  # (B, V): each distinct prompt prefilled once,
+        cache.reorder_cache(src)  # its rows start from copies of its KV cache
         ids, mask, pos = ids[src], mask[src], pos[src]  # (B, L)
         sampler = self.sampler(rows, ids, mask)
         done, stopped = torch.zeros(2, B, dtype=torch.bool, device=self.device)  # (B,) each: ended (a stop, the limit), stopped
         tokens, logps, alive, check = [], [], [], 1 if self.device.type == "cpu" else 16
         for t in range(int(limit.max())):
-            logp_all = sampler(logits, t)  # (B, V) what is sampled from
+            logp_all = sampler(logits, t)  # (B, V) sampled by the Gumbel-max trick: argmax(logp + g), g = -log(-log u)
             u = torch.rand(logp_all.shape, generator=self.rng, device=self.device)  # (B, V)
             for r, g in gens.items():  # seeded rows draw from their own stream
                 u[r] = torch.rand(u.shape[1], generator=g, device=self.device)
-            # the Gumbel-max trick: argmax(logp + g), g = -log(-log u), samples softmax(logp)
             tok = (logp_all - torch.log(-torch.log(u.clamp(1e-20, 1 - 1e-7))) * sampler.noisy).argmax(-1)  # (B,)
             tokens.append(tok)
             logps.append(logp_all.gather(1, tok[:, None]).squeeze(1))

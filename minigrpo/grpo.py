@@ -39,14 +39,11 @@ def zero_std_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
 class LossConfig:  # the loss's settings; train.py's TrainConfig extends this class, so each is also a flag of train.py
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = field(default="dapo", metadata={"help": "see minigrpo/grpo.py"})
     eps_low: float = field(default=0.2, metadata={"help": "clip the ratio below at 1 - eps_low"})
-    eps_high: float | None = field(default=None, metadata={"help": "clip above at 1 + eps_high (default: 0.28 for "
-                                                                   "dapo, else eps_low)"})
-    tis_cap: float | None = field(default=None, metadata={"help": "truncated IS cap on pi_old/mu (default: none; 2 "
-                                                                  "with --old_logp recompute)"})
+    eps_high: float | None = field(default=None, metadata={"help": "clip above at 1 + eps_high (dapo: 0.28, else eps_low)"})
+    tis_cap: float | None = field(default=None, metadata={"help": "truncated IS cap on pi_old/mu (2 if --old_logp recompute)"})
 
-    def __post_init__(self):
-        if self.eps_high is None:
-            self.eps_high = 0.28 if self.loss_type == "dapo" else self.eps_low
+    def __post_init__(self):  # eps_high's default: DAPO's clip-higher for dapo, else a symmetric clip
+        self.eps_high = (0.28 if self.loss_type == "dapo" else self.eps_low) if self.eps_high is None else self.eps_high
 
 
 @dataclass
@@ -61,27 +58,22 @@ class Batch:
 
 def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens: int | None = None):
     """logp (B, T): the trainer's log-probs, the only input with a gradient. Returns (loss, metrics)."""
-    mask = batch.mask.to(logp.dtype)
-    behav_logp, A = batch.behav.detach(), batch.adv.detach()[:, None].to(logp.dtype)  # (B, T), (B, 1)
-    old_logp = behav_logp if batch.old is None else batch.old.detach()
+    mask, A = batch.mask.to(logp.dtype), batch.adv.detach()[:, None].to(logp.dtype)  # (B, T), (B, 1)
+    behav_logp, old_logp = batch.behav.detach(), (batch.behav if batch.old is None else batch.old).detach()  # mu, pi_old
     ratio = torch.exp((logp - old_logp) * mask)  # (B, T); its log is 0 on padding, so it stays finite
     per_token = -torch.min(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)  # (B, T) l_t with w = 1
-    if cfg.tis_cap is not None:  # truncated importance sampling, per token, without gradient
-        is_ratio = torch.exp((old_logp - behav_logp) * mask)  # (B, T) pi_old / mu
-        per_token = is_ratio.clamp(max=cfg.tis_cap) * per_token  # l_t = -w * min(...)
+    if cfg.tis_cap is not None:  # truncated importance sampling, per token, without gradient: l_t = -w * min(...)
+        per_token = (is_ratio := torch.exp((old_logp - behav_logp) * mask)).clamp(max=cfg.tis_cap) * per_token  # pi_old / mu
 
-    num_seqs = batch.num_seqs or logp.shape[0]
+    B, masked = batch.num_seqs or logp.shape[0], per_token * mask  # masked (B, T): l_it on the valid tokens, 0 elsewhere
     if cfg.loss_type == "grpo":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
-    elif cfg.loss_type == "dapo":
-        loss = (per_token * mask).sum() / (batch.num_tokens or mask.sum().clamp(min=1))
-    else:
-        loss = (per_token * mask).sum() / (num_seqs * max_new_tokens)
+        loss = (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / B
+    else:  # dapo's normaliser counts the batch's tokens, dr_grpo's is a constant
+        loss = masked.sum() / (batch.num_tokens or mask.sum().clamp(min=1) if cfg.loss_type == "dapo" else B * max_new_tokens)
 
     with torch.no_grad():  # 0-d tensors, as masked sums: no host sync (train_step reads them all once a step)
         valid, n, log_v = mask.bool(), mask.sum(), logp - behav_logp  # v = pi_theta / mu: the health signals above
-        mean = lambda x: torch.where(valid, x, 0).float().sum() / n.clamp(min=1)  # noqa: E731  over the valid tokens
-        v = torch.exp(log_v.clamp(-40, 40))
+        v, mean = torch.exp(log_v.clamp(-40, 40)), lambda x: torch.where(valid, x, 0).float().sum() / n.clamp(min=1)  # noqa: E731
         metrics = {"tokens": n, "ratio/mean": mean(ratio),
                    "ratio/min": ratio.masked_fill(~valid, math.inf).min(), "ratio/max": ratio.masked_fill(~valid, -math.inf).max(),
                    "clip_ratio/low": mean((ratio < 1 - cfg.eps_low) & (A < 0)),
@@ -94,11 +86,8 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
 
 
 def combine_metrics(parts: list[dict]) -> dict:
-    out = {"tokens": sum(p["tokens"] for p in parts)}
-    for key in parts[0]:
-        if key.endswith(("/min", "/max")):
-            out[key] = (min if key.endswith("/min") else max)(p[key] for p in parts)
-        elif key != "tokens":
-            out[key] = sum(p[key] * p["tokens"] for p in parts) / max(out["tokens"], 1)
+    n = sum(p["tokens"] for p in parts)  # the rest: token-weighted means, or the min / max over the parts
+    out = {"tokens": n} | {k: (min if k.endswith("/min") else max)(p[k] for p in parts) if k.endswith(("/min", "/max"))
+                           else sum(p[k] * p["tokens"] for p in parts) / max(n, 1) for k in parts[0] if k != "tokens"}
     out["health/ess_frac"] = out["health/v_mean"] ** 2 / max(out.pop("health/v_sq_mean"), 1e-30)  # ESS / N, all parts
     return out

@@ -1,7 +1,6 @@
 """Hand-written LoRA: y = W x + scaling * B (A x), with B = 0 at the start so a fresh adapter is an exact no-op.
 
-    scaling = alpha / r            plain LoRA (Hu et al., 2021)
-    scaling = alpha / sqrt(r)      rsLoRA (Kalajdzievski, 2023), when adapter_config.json says use_rslora: true
+    scaling = alpha / r (LoRA, Hu et al., 2021), or alpha / sqrt(r) when use_rslora: true (rsLoRA, Kalajdzievski, 2023)
 Adapters use PEFT's format (adapter_config.json, adapter_model.safetensors): peft and vLLM load ours, we load theirs."""
 import hashlib
 import json
@@ -13,18 +12,16 @@ from safetensors.torch import load, save
 
 from minigrpo.storage import read_bytes
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PEFT_PREFIX = "base_model.model."
+DEFAULT_TARGETS, PEFT_PREFIX = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), "base_model.model."
 
 
 class LoRALinear(nn.Module):  # wraps a frozen nn.Linear; lora_A is (r, in), lora_B is (out, r), as PEFT stores them
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, use_rslora: bool = False):
         super().__init__()
-        self.base, self.r, self.scaling = base, r, lora_scaling(r, alpha, use_rslora)
-        # LoRA weights live in float32 whatever the base dtype: the update is tiny and must not round away
-        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=base.weight.device))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=base.weight.device))
+        self.base, self.r, self.scaling = base, r, alpha / math.sqrt(r) if use_rslora else alpha / r  # rsLoRA, or plain LoRA
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=base.weight.device))  # in float32 for any base dtype:
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=base.weight.device))  # a tiny update must not round
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # U(+-1/sqrt(in)), like nn.Linear and PEFT
 
     def forward(self, x):  # x: (..., in)
@@ -50,13 +47,8 @@ class LowPrecisionInput(torch.autograd.Function):
                 grad_h.reshape(-1, r).T @ x.reshape(-1, n).to(A.dtype) if ctx.needs_input_grad[1] else None)  # grad_A (r, in)
 
 
-def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:
-    return alpha / math.sqrt(r) if use_rslora else alpha / r
-
-
 def inject_lora(model: nn.Module, r: int, alpha: float, targets=DEFAULT_TARGETS, use_rslora: bool = False):
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets]
-    if not names:
+    if not (names := [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets]):
         raise ValueError(f"no nn.Linear named any of {list(targets)} in {type(model).__name__}")
     model.requires_grad_(False)  # the LoRA matrices made below are the only trainable parameters
     for name in names:
@@ -85,8 +77,7 @@ def check_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int):
     """Read-only: ValueError unless each tensor belongs to a LoRA layer, fits rank r <= the layer's, and is finite."""
     layers = lora_layers(model)
     if unknown := sorted(state.keys() - lora_state_dict(model).keys()):
-        targets = sorted({n.rsplit(".", 1)[-1] for n in layers})
-        raise ValueError(f"expected target modules in {targets} but received {unknown[:3]}. "
+        raise ValueError(f"expected target modules in {sorted({n.split('.')[-1] for n in layers})} but received {unknown[:3]}. "
                          "Please verify that the loaded LoRA module is correct")
     for name, layer in layers.items():
         got = [None if (w := state.get(f"{PEFT_PREFIX}{name}.lora_{ab}.weight")) is None else tuple(w.shape) for ab in "AB"]
@@ -102,11 +93,9 @@ def apply_adapter(model: nn.Module, state: dict[str, torch.Tensor], r: int, scal
     with torch.no_grad():
         for name, layer in lora_layers(model).items():
             A, B = (state.get(f"{PEFT_PREFIX}{name}.lora_{ab}.weight") for ab in "AB")
-            layer.lora_A.zero_()
-            layer.lora_B.zero_()
+            layer.lora_A[:], layer.lora_B[:], layer.scaling = 0, 0, scaling
             if A is not None:
                 layer.lora_A[:r], layer.lora_B[:, :r] = A, B
-            layer.scaling = scaling
 
 
 def adapter_config(r: int, alpha: float, targets, base_model: str, use_rslora: bool = False) -> dict:
@@ -137,7 +126,7 @@ def check_config(config: dict) -> tuple[int, float]:
         raise ValueError("vLLM does not yet support DoRA.")
     if config.get("bias", "none") != "none":
         raise ValueError("Adapter bias is not supported.")
-    return r, lora_scaling(r, alpha, bool(config.get("use_rslora")))
+    return r, alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r  # the scaling, as LoRALinear's
 
 
 def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor], str]:

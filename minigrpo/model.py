@@ -65,9 +65,8 @@ def resolve_model(name: str) -> str:
 
 
 def pick_device(device: str = "auto") -> torch.device:  # train.py's torchrun ranks bind cuda:LOCAL_RANK themselves
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    return torch.device(device)
+    auto = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return torch.device(auto if device == "auto" else device)
 
 
 def load_model(name: str, device: torch.device, dtype: str = "float32"):
@@ -97,20 +96,18 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float):  # hidden (N, H), weight (V, H), targets (N,)
-        N, chunk = len(hidden), max(1, CHUNK_LOGITS // len(weight))
+        N, chunk, ctx.dtype = len(hidden), max(1, CHUNK_LOGITS // len(weight)), hidden.dtype  # ctx.dtype: grad_h's
         logp, entropy = hidden.new_empty(N, dtype=torch.float32), hidden.new_empty(N, dtype=torch.float32)
         grad = hidden.new_empty(N, hidden.shape[1], dtype=torch.float32) if ctx.needs_input_grad[0] else None
-        # (chunk, V) buffers that every chunk reuses: a fresh one per chunk fragments the heap and raises the peak
-        out = hidden.new_empty(min(chunk, N), len(weight))  # the head's output, in its dtype
-        p_buf = torch.empty_like(out, dtype=torch.float32)
+        out = hidden.new_empty(min(chunk, N), len(weight))  # (chunk, V) buffers that all chunks reuse (fresh ones
+        p_buf = torch.empty_like(out, dtype=torch.float32)  # fragment the heap, raise the peak): head output in its dtype, p, z
         z_buf = out if out.dtype == torch.float32 else torch.empty_like(p_buf)
         for s in range(0, N, chunk):
             y, c = targets[s:s + chunk], min(chunk, N - s)  # (c,)
             z = z_buf[:c].copy_(torch.matmul(hidden[s:s + chunk], weight.T, out=out[:c])).div_(temperature)  # (c, V)
             top = z.amax(-1, keepdim=True)  # (c, 1)
             p = torch.sub(z, top, out=p_buf[:c]).exp_()  # (c, V), not yet normalised
-            total = p.sum(-1, keepdim=True)  # (c, 1)
-            p /= total  # the softmax
+            p /= (total := p.sum(-1, keepdim=True))  # (c, V) the softmax, total (c, 1)
             lse = (top + total.log()).squeeze(1)  # (c,) logsumexp(z)
             logp[s:s + chunk] = z.gather(1, y[:, None]).squeeze(1) - lse
             entropy[s:s + chunk] = lse - (p[:, None] @ z[:, :, None]).view(c)  # sum_v p z without a (c, V) product
@@ -120,7 +117,6 @@ class HeadLogprobs(torch.autograd.Function):
                 grad[s:s + chunk] = -(p_w @ weight).float() / temperature  # (c, H)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(entropy)
-        ctx.dtype = hidden.dtype
         return logp, entropy
 
     @staticmethod
@@ -130,17 +126,15 @@ class HeadLogprobs(torch.autograd.Function):
 
 def output_head(model) -> torch.nn.Linear:
     head = model.get_output_embeddings()
-    trained = head.weight.requires_grad and torch.is_grad_enabled()
-    if not isinstance(head, torch.nn.Linear) or head.bias is not None or trained:
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or (head.weight.requires_grad and torch.is_grad_enabled()):
         raise ValueError(f"the log-probs need a frozen bias-free linear output head, got {head}")
     return head
 
 
 def packed_logprobs(model, ids, pos, where, targets, temperature: float):  # ids..targets: a row from packing.collate
     """log pi(y_t | y_<t) (logits / temperature, float32, with gradient) and entropy, (B, T) each, 0 past the end."""
-    if model.config._attn_implementation != PACKED_SDPA:
-        raise ValueError(f"packed rows need attn_implementation={PACKED_SDPA!r} (load_model sets it), the model has "
-                         f"{model.config._attn_implementation!r}")
+    if (attn := model.config._attn_implementation) != PACKED_SDPA:
+        raise ValueError(f"packed rows need attn_implementation={PACKED_SDPA!r} (load_model sets it), the model has {attn!r}")
     dev, no_mask = ids.device, ids.new_ones(1, 1, 1, 1, dtype=torch.bool)  # 4-D: transformers makes no mask, reads nothing
     hidden = model.base_model(input_ids=ids, position_ids=pos.to(dev), attention_mask=no_mask, use_cache=False,
                               packed_plan=plan_packed_row(pos, dev)).last_hidden_state[0]  # (N, H); pos is on the host

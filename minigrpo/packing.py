@@ -13,6 +13,10 @@ class Sample:  # one completion as the trainer sees it
     prompt_len: int
     behav: list[float]  # the sampler's log-prob of each completion token
     adv: float
+    mask: list[int] | None = None  # per completion token: 1 sampled by the policy, 0 a task's reply (None: all 1)
+
+    def __post_init__(self):
+        self.mask = [1] * len(self.behav) if self.mask is None else self.mask
 
 
 def micro_batches(samples, budget: int):
@@ -48,7 +52,7 @@ def collate(samples, device, num_seqs=None, num_tokens=None):
             prompt, last = s.ids[:P], len(ids) + P - 1
             ids, pos = ids + prompt, pos + list(range(P))
         where[i, :n] = torch.tensor([last] + list(range(len(ids), len(ids) + n - 1)))[:n]
-        targets[i, :n], mask[i, :n], behav[i, :n] = torch.tensor(completion), 1, torch.tensor(s.behav)
+        targets[i, :n], mask[i, :n], behav[i, :n] = torch.tensor(completion), torch.tensor(s.mask), torch.tensor(s.behav)
         ids, pos = ids + completion, pos + list(range(P, P + n))
     batch = Batch(behav.to(device), adv.to(device), mask.to(device), num_seqs=num_seqs, num_tokens=num_tokens)
     return (torch.tensor([ids], device=device), torch.tensor([pos]), where, targets), batch

@@ -67,17 +67,19 @@ def bearer(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def guard(api_key: str, body_timeout_s: float):
+def run(cfg: ServerConfig, routes: list, context, banner: str):
+    """Serve `routes` behind guard() inside `context` (an aiohttp cleanup context). aiohttp closes a connection that
+    has not sent a whole request within its keep-alive timeout (idle ones too): that is the header timeout."""
+
     @web.middleware
-    async def middleware(request: web.Request, handler):
-        # the exact key, compared in constant time on the raw bytes (aiohttp keeps non-UTF-8 bytes as surrogates)
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if api_key and request.path.startswith("/v1") and not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+    async def guard(request: web.Request, handler):
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")  # raw bytes, non-UTF-8 too
+        if cfg.api_key and request.path.startswith("/v1") and not hmac.compare_digest(given, f"Bearer {cfg.api_key}".encode()):
             return web.json_response({"error": "Unauthorized"}, status=401)
         try:
-            await asyncio.wait_for(request.read(), body_timeout_s)  # aiohttp keeps it for the handler's read()
+            await asyncio.wait_for(request.read(), cfg.body_timeout_s)  # aiohttp keeps it for the handler's read()
         except asyncio.TimeoutError:
-            return error(408, f"the request body did not arrive within {body_timeout_s:g}s", "RequestTimeout")
+            return error(408, f"the request body did not arrive within {cfg.body_timeout_s:g}s", "RequestTimeout")
         except web.RequestPayloadError as e:  # e.g. a body that its Content-Encoding cannot decode
             return error(400, f"the body cannot be read: {e}")
         except web.HTTPRequestEntityTooLarge as e:
@@ -90,13 +92,8 @@ def guard(api_key: str, body_timeout_s: float):
             return web.json_response({"detail": e.reason}, status=e.status)
         except Exception as e:  # noqa: BLE001 -- a failed engine call: a 500 with vLLM's body, and the server goes on
             return error(500, f"{type(e).__name__}: {e}", "InternalServerError")
-    return middleware
 
-
-def run(cfg: ServerConfig, routes: list, context, banner: str):
-    """Serve `routes` behind guard() inside `context` (an aiohttp cleanup context). aiohttp closes a connection that
-    has not sent a whole request within its keep-alive timeout (idle ones too): that is the header timeout."""
-    app = web.Application(middlewares=[guard(cfg.api_key, cfg.body_timeout_s)], client_max_size=cfg.max_body_mb * 2**20)
+    app = web.Application(middlewares=[guard], client_max_size=cfg.max_body_mb * 2**20)
     app.add_routes(routes)
     app.cleanup_ctx.append(context)
     shown = {k: "***" if v and k in ("api_key", "upstream_token") else v for k, v in asdict(cfg).items()}

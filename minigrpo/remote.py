@@ -20,10 +20,9 @@ class ServerError(RuntimeError):
 class HttpEngine:
     def __init__(self, url: str, api_key="", max_inflight: int = 64, keep: int = 5, retry_s: float = 300.0, model=""):
         self.url, self.keep, self.retry_s, self.inflight = url.rstrip("/"), keep, retry_s, asyncio.Semaphore(max_inflight)
-        self.loop = asyncio.new_event_loop()  # the engine's own loop: generate() stays a plain blocking call
-        self.version, self.loaded = None, {}  # loaded: version -> (name, path)
+        self.version, self.loaded, self.loop = None, {}, asyncio.new_event_loop()  # loaded[version] = (name, path)
 
-        async def session():  # made inside the loop that uses it; a request may take up to 600 s
+        async def session():  # made in the engine's own loop (generate() is a plain blocking call); a request may take 600 s
             return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(600, sock_connect=10), headers=P.bearer(api_key))
         self.session = self.loop.run_until_complete(session())
         atexit.register(self.close)  # however the process ends: an open session prints "Unclosed client session"
@@ -63,8 +62,7 @@ class HttpEngine:
 
     def load_adapter(self, version: int, path: str):
         path = path if "://" in path else os.path.abspath(path)  # as the server will find it
-        name = path.rstrip("/").rsplit("/", 1)[-1]  # the directory's name
-        self.loop.run_until_complete(self._load(name, path))
+        self.loop.run_until_complete(self._load(name := path.rstrip("/").rsplit("/", 1)[-1], path))  # the directory's name
         self.loaded[version], self.version = (name, path), version
         for old in [v for v in self.loaded if v <= version - self.keep]:  # left the staleness window; 404 is fine
             self.loop.run_until_complete(self._call("POST", "/v1/unload_lora_adapter", {"lora_name": self.loaded.pop(old)[0]}))
@@ -86,9 +84,11 @@ class HttpEngine:
         return [Completion(c["token_ids"], c["logprobs"]["token_logprobs"], "stop" if c["finish_reason"] == "stop" else "length",
                            c.get("adapter_digest") or "") for c in sorted(json.loads(text)["choices"], key=lambda c: c["index"])]
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params) -> list[list[Completion]]:  # params: one, or one per prompt
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+
         async def run():
-            return await asyncio.gather(*(self._complete(p, params) for p in prompts))
+            return await asyncio.gather(*(self._complete(p, sp) for p, sp in zip(prompts, params)))
         return list(self.loop.run_until_complete(run()))
 
     def close(self):

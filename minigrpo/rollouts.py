@@ -20,8 +20,8 @@ from minigrpo.run import fault
 FORMAT = "minigrpo.group.v1"
 INTS = (torch.int64, torch.int32)
 DTYPES = {"prompt_ids": INTS, "completion_ids": INTS, "completion_lens": INTS, "behavior_logprobs": (torch.float32,),
-          "rewards": (torch.float32,), "truncated": (torch.bool,)}
-FLAT, PADDED = ("prompt_ids", "rewards", "truncated"), ("completion_ids", "behavior_logprobs")  # Group's tensors
+          "rewards": (torch.float32,), "truncated": (torch.bool,), "loss_mask": (torch.int8, torch.uint8, *INTS)}
+FLAT, PADDED = ("prompt_ids", "rewards", "truncated"), ("completion_ids", "behavior_logprobs", "loss_mask")  # Group's
 META = {"policy_version": int, "temperature": float, "adapter_digest": str, "group_id": str, "generator_id": str,
         "started_at": float, "finished_at": float, "grader": str, "run_id": str}  # the Group fields kept as string metadata
 
@@ -42,6 +42,10 @@ class Group:  # G completions of one prompt; lists hold one entry per completion
     finished_at: float = 0.0
     grader: str = ""  # the task's grader that scored the rewards (tasks.py)
     run_id: str = ""  # run.json's run_id, set when written: a group copied from another run is refused
+    loss_mask: list[list[int]] | None = None  # per token: 1 sampled, 0 the task's reply (log-prob 0, not trained on)
+
+    def __post_init__(self):
+        self.loss_mask = self.loss_mask or [[1] * len(c) for c in self.completion_ids]
 
 
 def to_tensors(group: Group) -> tuple[dict, dict]:  # completions right-padded to the longest, their lengths alongside
@@ -58,20 +62,23 @@ def read_group(data: bytes, group_id: str) -> Group:  # to_tensors inverted; a V
         raise ValueError(f"format is {metadata.get('format')!r}, expected {FORMAT!r}")
     if (named := metadata.pop("group_id", None)) != group_id:  # the same bytes under a second name: trained once
         raise ValueError(f"group_id: this group was written as {named!r}, found as {group_id!r} (a copy)")
+    tensors.setdefault("loss_mask", torch.ones_like(tensors.get("completion_ids", torch.ones(0)), dtype=torch.int8))  # none: old
     if missing := DTYPES.keys() - tensors.keys():
         raise ValueError(f"missing tensors {sorted(missing)}")
     for name, kinds in DTYPES.items():
         if tensors[name].dtype not in kinds:
             raise ValueError(f"{name} has dtype {tensors[name].dtype}, expected one of {[str(k) for k in kinds]}")
-    ids, lens, logps = tensors["completion_ids"], tensors["completion_lens"], tensors["behavior_logprobs"]
+    ids, lens, logps, mask = (tensors[k] for k in ("completion_ids", "completion_lens", "behavior_logprobs", "loss_mask"))
     G = lens.numel()
-    if ids.dim() != 2 or ids.shape != logps.shape or ids.shape[0] != G or tensors["rewards"].shape != (G,) \
+    if ids.dim() != 2 or not ids.shape == logps.shape == mask.shape or ids.shape[0] != G or tensors["rewards"].shape != (G,) \
             or tensors["truncated"].shape != (G,) or tensors["prompt_ids"].dim() != 1:
         raise ValueError(f"inconsistent shapes: { {name: tuple(tensors[name].shape) for name in DTYPES} }")
     if G == 0 or lens.min() < 1 or lens.max() > ids.shape[1]:
         raise ValueError(f"completion lengths {lens.tolist()} do not fit {ids.shape[1]} columns")
     if not torch.isfinite(logps).all() or logps.max() > 1e-4:
         raise ValueError("behavior_logprobs must be finite and <= 0")
+    if ((mask != 0) & (mask != 1)).any():
+        raise ValueError(f"loss_mask holds {sorted(set(mask.unique().tolist()) - {0, 1})[:3]}: only 0 and 1 are allowed")
     rows = {k: [row[:n] for row, n in zip(tensors[k].tolist(), lens.tolist())] for k in PADDED}
     return Group(**{k: tensors[k].tolist() for k in FLAT}, **rows, group_id=group_id,
                  **{k: read(metadata[k]) for k, read in META.items() if k in metadata})

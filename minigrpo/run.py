@@ -22,8 +22,8 @@ from minigrpo.lora import DEFAULT_TARGETS
 @dataclass
 class RunSettings:  # shared by the trainer and every generator: written once to RUN/run.json, checked by each joiner
     model: str = field(default="demo", metadata={"help": "base model: 'demo' (built in), a local folder or a hub id"})
-    task: str = field(default="reverse_add", metadata={"help": "prompt set and reward: reverse_add | math (minigrpo/tasks.py)"})
-    task_data: str = field(default="", metadata={"help": "math: a .jsonl/.parquet file or hf://datasets/OWNER/NAME/FILE"})
+    task: str = field(default="reverse_add", metadata={"help": "prompts and reward: reverse_add | math | calculator"})
+    task_data: str = field(default="", metadata={"help": "math, calculator: a .jsonl/.parquet file or hf://datasets/..."})
     task_fields: str = field(default="problem,answer", metadata={"help": "math: the problem and answer field names"})
     system_prompt: str = field(default="", metadata={"help": "system message for models with a chat template"})
     reasoning: bool = field(default=False, metadata={"help": "math: grade only after </think> (R1-style models)"})
@@ -35,7 +35,10 @@ class RunSettings:  # shared by the trainer and every generator: written once to
                                     metadata={"help": "names of the linear layers that get a LoRA"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature; the trainer's log-probs use it too"})
     group_size: int = field(default=8, metadata={"help": "G: completions per prompt, normalised together"})
-    max_new_tokens: int = field(default=8, metadata={"help": "completion length limit (also Dr. GRPO's constant)"})
+    max_new_tokens: int = field(default=8, metadata={"help": "completion length limit, all turns and replies together "
+                                "(also Dr. GRPO's constant)"})
+    max_turns: int = field(default=1, metadata={"help": "policy turns per completion: the task's reply comes between "
+                           "(reverse_add, math: a second try after a wrong answer; calculator: a tool call)"})
     max_prompt_len: int = field(default=2048, metadata={"help": "longest prompt in tokens; longer groups are refused"})
     max_staleness: int = field(default=4, metadata={"help": "drop groups more than this many adapter versions old"})
     generator_dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={"help": "the "
@@ -64,16 +67,14 @@ if clock := [float(f[1]) for f in FAULTS if f[0] == "clock"]:  # a wall clock of
 
 
 def fault(point: str, step: int):
-    """<point>:<step>: exit like SIGKILL (os._exit(137)) the first time the trainer reaches that point at or after
-    that step; <point>:<step>:pause: stop there (SIGSTOP to itself) until a SIGCONT, like a frozen VM."""
-    for f in FAULTS:
-        if f[0] == point and step >= int(f[1]):
-            print(f"MINIGRPO_FAULT: {'pausing' if f[2:] else 'exiting'} at {point}, step {step}", flush=True)
-            if not f[2:]:
-                os._exit(137)
-            FAULTS.remove(f)
-            with WRITING:
-                os.kill(os.getpid(), signal.SIGSTOP)
+    """<point>:<step>: os._exit(137) (as SIGKILL) there from that step on; <point>:<step>:pause: SIGSTOP once (a frozen VM)."""
+    for f in [f for f in FAULTS if f[0] == point and step >= int(f[1])]:
+        print(f"MINIGRPO_FAULT: {'pausing' if f[2:] else 'exiting'} at {point}, step {step}", flush=True)
+        if not f[2:]:
+            os._exit(137)
+        FAULTS.remove(f)
+        with WRITING:
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def create_run(storage, settings: RunSettings, grader: str = "") -> dict:  # grader: the one that must score every group
@@ -85,8 +86,7 @@ def create_run(storage, settings: RunSettings, grader: str = "") -> dict:  # gra
     return join_run(storage, settings)
 
 
-def join_run(storage, settings: RunSettings, timeout_s: float = 600.0) -> dict:
-    """Wait for the trainer to create run.json, then check that it has this process's settings. Returns it."""
+def join_run(storage, settings: RunSettings, timeout_s: float = 600.0) -> dict:  # wait for run.json; it must have our settings
     t0, url = time.time(), storage.url("run.json")
     if not storage.exists("run.json"):
         print(f"waiting up to {timeout_s:.0f}s for {url}: train.py creates it", flush=True)
@@ -114,10 +114,8 @@ def dead_here(lease: dict) -> bool:  # its trainer died here (host, boot, PID na
     try:
         if {k: lease[k] for k in ("host", "boot", "pidns")} == here() and lease["pid"] > 0:
             os.kill(lease["pid"], 0)  # signal 0 only asks whether the process exists
-    except ProcessLookupError:
-        return True
-    except (PermissionError, OverflowError):  # another user's process, or no usable pid
-        pass
+    except (ProcessLookupError, PermissionError, OverflowError) as e:  # gone; another user's process; no usable pid
+        return isinstance(e, ProcessLookupError)
     return False
 
 
@@ -128,16 +126,13 @@ LEASE = {"owner": "", "host": "", "boot": "", "pidns": 0, "pid": 0, "epoch": 0, 
 def lease_view(raw: bytes | None) -> dict:
     """owner.json's fields with the types readers rely on. Anything else (not JSON, a list, a string heartbeat, an
     infinite timeout) reads as missing, so a hostile lease can at worst look like a dead one."""
-    lease = {}
-    with contextlib.suppress(ValueError, RecursionError):
-        lease = json.loads(raw or b"{}")
-    lease = lease if isinstance(lease, dict) else {}
+    with contextlib.suppress(ValueError, RecursionError):  # not JSON: raw stays bytes, which reads as {} below
+        raw = json.loads(raw or b"{}")
+    lease = raw if isinstance(raw, dict) else {}
     out = {k: v if type(v := lease.get(k)) is type(d) or type(d) is float and type(v) is int else d for k, d in LEASE.items()}
-    out["seen"] = {k: v for k, v in out["seen"].items() if type(v) is int}
-    if isinstance(lease.get("checkpoints"), list) and all(isinstance(c, str) for c in lease["checkpoints"]):
-        out["checkpoints"] = lease["checkpoints"]
-    out["timeout_s"] = out["timeout_s"] if 0 < out["timeout_s"] < 1e6 else LEASE["timeout_s"]
-    return out
+    listed = isinstance(c := lease.get("checkpoints"), list) and all(isinstance(name, str) for name in c)
+    return out | {"seen": {k: v for k, v in out["seen"].items() if type(v) is int}, "checkpoints": c if listed else None,
+                  "timeout_s": out["timeout_s"] if 0 < out["timeout_s"] < 1e6 else LEASE["timeout_s"]}
 
 
 class Lease:
@@ -148,8 +143,7 @@ class Lease:
         self.storage, self.timeout_s, self.lock, self.stop = storage, timeout_s, WRITING, threading.Event()
         self.info = {"owner": uuid.uuid4().hex[:12], **here(), "pid": os.getpid(), "beat": 0, "timeout_s": timeout_s, **about}
 
-    def acquire(self) -> dict | None:
-        """Take the lease if it is absent, its owner died here, or it stays unchanged for timeout_s; refuse if it changes."""
+    def acquire(self) -> dict | None:  # take it if absent, if its owner died here or if unchanged for timeout_s; else refuse
         raw, self.token = self.storage.versioned("owner.json")
         theirs, since = lease_view(raw), time.monotonic()  # this process's clock: another's skew cannot fool it
         while raw is not None and not dead_here(theirs) and time.monotonic() - since < self.timeout_s:
@@ -182,15 +176,12 @@ class Lease:
     def fenced(self, write, *args, **kwargs):
         """write(*args) only while this trainer holds the lease: a check that holds until the write lands on a local
         disk (both under the run's lock), right before it elsewhere. A refused conditional write is checked again."""
-        for attempt in range(2):
+        for refused in ((FileExistsError,), ()):  # the second time nothing is suppressed
             with self.lock, self.storage.locked():
                 if self.storage.versioned("owner.json")[1] != self.token:
                     self.lost()
-                try:
+                with contextlib.suppress(*refused):
                     return write(*args, **kwargs)
-                except FileExistsError:
-                    if attempt:
-                        raise
 
     def lost(self):
         theirs = lease_view(self.storage.versioned("owner.json")[0])
@@ -213,29 +204,25 @@ def tracker(report_to: str, project: str, name: str, config: dict):
     """(send(numbers, step), finish) for --report_to's run `name`, created or continued; None for none."""
     if report_to == "none":
         return None
-    try:
-        module = __import__(report_to)  # here, not at the top: both trackers are optional
+    wandb = {"id": name} if report_to == "wandb" else {}  # wandb continues a run by its id
+    try:  # imported here, not at the top: both trackers are optional
+        run = __import__(report_to).init(project=project, name=name, config=config, resume="allow", **wandb)
     except ImportError:
         raise SystemExit(f"--report_to {report_to}: not installed; pip install -r requirements-trackers.txt") from None
-    wandb = {"id": name} if report_to == "wandb" else {}  # wandb continues a run by its id
-    try:
-        run = module.init(project=project, name=name, config=config, resume="allow", **wandb)
     except Exception as e:  # not logged in, a project it may not write: the tracker's own words, in one line
         raise SystemExit(f"--report_to {report_to}: {type(e).__name__}: {e}".splitlines()[0]) from None
 
     def send(numbers: dict, step: int):  # out of this process before it returns: a kill cannot lose it here
-        if wandb:
-            return run.log(numbers, step=step, commit=True)  # uncommitted, a step's row waits for a later step
-        run.log(numbers, step=step)
-        with run._client_lock:  # trackio's own thread writes every 0.5 s; write now, as that thread does
-            run._flush_queues_inline()
+        run.log(numbers, step=step, **{"commit": True} if wandb else {})  # wandb: uncommitted, a row waits for a later step
+        if not wandb:
+            with run._client_lock:  # trackio's own thread writes every 0.5 s; write now, as that thread does
+                run._flush_queues_inline()
     return send, run.finish
 
 
 class Metrics:
-    """One JSON record per step: printed as one console line, kept in RUN/metrics/<name>-<life>-<seg>.jsonl (object
-    stores cannot append: the current segment, at most `segment` records, is rewritten whole) and sent to the tracker.
-    The tracker gets a step only if it is higher than every step any earlier life recorded (a crash redoes steps)."""
+    """One JSON record per step: a console line, RUN/metrics/<name>-<life>-<seg>.jsonl (a bucket cannot append: the current
+    segment, at most `segment` records, is rewritten whole) and the tracker, past earlier lives' steps (a crash redoes steps)."""
 
     def __init__(self, storage, name: str, tracker=None, lives: str = "", segment: int = 25):
         self.storage, self.segment, self.records = storage, segment, []

@@ -1,6 +1,5 @@
-"""The run directory's storage: every read and write of RUN (a folder or an fsspec URL) goes through this module,
-whole objects only (README, "The run directory"). On a local disk get() reads only regular files, so a hostile entry
-can neither hang a reader nor point it outside the run. Any failure of the store is an OSError naming the object."""
+"""The run directory's storage: every read and write of RUN (a folder or an fsspec URL) goes through here, whole
+objects only (README, "The run directory"). Any failure of the store is an OSError naming the object."""
 import contextlib
 import fcntl
 import hashlib
@@ -23,25 +22,21 @@ class Storage:
             raise SystemExit(f"--run_dir {url} needs: pip install -r requirements-storage.txt ({e})") from e
         self.local, self.s3 = isinstance(self.fs, LocalFileSystem), "s3" in self.fs.protocol
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
-        self.poll_s = 0.02 if self.local else 0.2  # how often to look again while waiting: listings cost a request
-        self.mutex, self.depth = threading.RLock(), 0
+        self.poll_s, self.mutex, self.depth = 0.02 if self.local else 0.2, threading.RLock(), 0  # poll_s: listings cost
 
     def url(self, key: str = "") -> str:
         path = f"{self.root}/{key}".rstrip("/")
         return path if self.local else self.fs.unstrip_protocol(path)
 
     @contextlib.contextmanager
-    def _naming(self, what: str, key: str):
-        """Any failure becomes one OSError naming the object (FileNotFoundError stays one, except on a write)."""
+    def _naming(self, what: str, key: str):  # any failure: an OSError naming the object (FileNotFoundError stays, unless writing)
         try:
             yield
         except Exception as e:  # noqa: BLE001 - whatever the backend raises
-            keep = isinstance(e, FileExistsError) or isinstance(e, FileNotFoundError) and what != "write"
-            raise (type(e) if keep else OSError)(getattr(e, "errno", None), f"cannot {what} {self.url(key)}: "
-                                                 f"{type(e).__name__}: {e}") from e
+            kind = type(e) if isinstance(e, FileExistsError) or isinstance(e, FileNotFoundError) and what != "write" else OSError
+            raise kind(getattr(e, "errno", None), f"cannot {what} {self.url(key)}: {type(e).__name__}: {e}") from e
 
-    def put(self, key: str, data: bytes | str, create: bool = False):
-        """Write an object whole (readers see old or new, never half); create: only if absent, else FileExistsError."""
+    def put(self, key: str, data: bytes | str, create: bool = False):  # never seen half; create: if absent, else FileExistsError
         self.put_many({key: data}, create)
 
     def put_many(self, objects: "dict[str, bytes | str]", create: bool = False):  # concurrently on a bucket
@@ -53,10 +48,9 @@ class Storage:
                         return list(pool.map(lambda k: self.fs.pipe_file(f"{self.root}/{k}", objects[k], mode="create"), objects))
                 return self.fs.pipe({f"{self.root}/{k}": v for k, v in objects.items()})
         for key, data in objects.items():
-            folder = os.path.dirname(f"{self.root}/{key}")
-            tmp = f"{folder}/.{uuid.uuid4().hex[:12]}.tmp"  # not the key's name: that may be as long as a name can be
+            tmp = os.path.join(os.path.dirname(f"{self.root}/{key}"), f".{uuid.uuid4().hex[:12]}.tmp")
             with self._naming("write", key):
-                os.makedirs(folder, exist_ok=True)
+                os.makedirs(os.path.dirname(tmp), exist_ok=True)  # a short tmp name: the key's may be as long as a name can be
                 try:
                     with open(tmp, "wb") as f:
                         f.write(data)
@@ -67,29 +61,25 @@ class Storage:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(tmp)
 
-    def get(self, key: str) -> bytes:
-        """Read one whole object: FileNotFoundError if absent, ValueError for a local directory, symlink, FIFO or device."""
+    def get(self, key: str) -> bytes:  # a whole object; FileNotFoundError if absent, ValueError if locally not a regular file
         path = f"{self.root}/{key}"
         with self._naming("read", key):
             if not self.local:  # s3fs asks for the size (a HEAD) before a GET, unless told to read in one request
                 return self.fs.cat_file(path, **{"max_concurrency": 1} if self.s3 else {})
-            if stat.S_ISREG(os.lstat(path).st_mode):
+            if stat.S_ISREG(os.lstat(path).st_mode):  # a hostile entry can neither hang a reader nor lead it outside the run
                 with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
                     return f.read()
         raise ValueError(f"{path} is not a regular file (a directory, symlink, FIFO or device); refusing to read it")
 
-    def get_many(self, keys: "list[str]") -> list:
-        """get() of several objects at once (each read is a round trip on a bucket): the bytes or the exception, each."""
-        with ThreadPoolExecutor(16) as pool:
-            reads = [pool.submit(self.get, key) for key in keys]
-        return [read.exception() or read.result() for read in reads]
+    def get_many(self, keys: "list[str]") -> list:  # concurrent get()s (a round trip each on a bucket): bytes or exception
+        with ThreadPoolExecutor(16) as pool:  # exception() waits for its read
+            return [read.exception() or read.result() for read in [pool.submit(self.get, key) for key in keys]]
 
     def versioned(self, key: str) -> tuple[bytes | None, str | None]:  # the token: S3's ETag, elsewhere the bytes' sha256
         with contextlib.suppress(FileNotFoundError):
             with self._naming("read", key):  # the ETag first: bytes newer than it only make a swap fail
                 etag = self.fs.info(f"{self.root}/{key}")["ETag"] if self.s3 else None
-            data = self.get(key)
-            return data, etag if self.s3 else hashlib.sha256(data).hexdigest()
+            return (data := self.get(key)), etag if self.s3 else hashlib.sha256(data).hexdigest()
         return None, None
 
     def swap(self, key: str, data: bytes | str, token: str | None) -> str:
@@ -116,19 +106,16 @@ class Storage:
                 os.makedirs(self.root, exist_ok=True)
                 fcntl.flock(held.enter_context(open(f"{self.root}/.lock", "a")), fcntl.LOCK_EX)
             self.depth += 1
-            try:
-                yield
-            finally:
-                self.depth -= 1
+            held.callback(setattr, self, "depth", self.depth - 1)  # on the way out, however it goes
+            yield
 
     def exists(self, key: str) -> bool:
         with self._naming("look up", key):
             return self.fs.exists(f"{self.root}/{key}")
 
     def list(self, prefix: str, begin: str = "", after: str = "") -> list[str]:
-        """Sorted names directly under a prefix (a bucket's listing may lag a put; local temp files left out), only
-        those that begin with `begin` and sort after `after`. On S3 the listing itself starts there (StartAfter), so its
-        cost does not grow with the names before it, and it returns the first 1,000: ask again after the last."""
+        """Sorted names directly under a prefix that begin with `begin` and sort after `after` (local temp files left
+        out; a bucket's listing may lag a put). S3 lists from there (no cost for the names before), 1,000 at most: ask again."""
         path = f"{self.root}/{prefix}".rstrip("/")
         with self._naming("list", prefix):
             try:  # a local listing through os is ten times cheaper than through fsspec
@@ -143,17 +130,14 @@ class Storage:
         names = (e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
         return sorted(n for n in names if not (self.local and n.startswith(".")) and n.startswith(begin) and n > after)
 
-    def delete(self, key: "str | list[str]", recursive: bool = False):
-        """Delete objects, or with recursive everything under a prefix; what is gone is fine."""
+    def delete(self, key: "str | list[str]", recursive: bool = False):  # or, recursive, all under a prefix; gone is fine
         keys = [key] if isinstance(key, str) else key
         for batch in [[k] for k in keys] if self.local else [keys] if keys else []:
             with self._naming("delete", batch[0]), contextlib.suppress(FileNotFoundError):
                 if not self.local:
                     self.fs.rm([f"{self.root}/{k}" for k in batch], recursive=recursive)
-                elif stat.S_ISDIR(os.lstat(path := f"{self.root}/{batch[0]}").st_mode):
-                    shutil.rmtree(path)  # on a local disk a directory goes whole, recursive or not
-                else:
-                    os.remove(path)  # any other entry: a link goes, not its target (lstat above)
+                else:  # on a local disk a directory goes whole, recursive or not; a link goes, not its target (lstat)
+                    (shutil.rmtree if stat.S_ISDIR(os.lstat(path := f"{self.root}/{batch[0]}").st_mode) else os.remove)(path)
 
 
 def read_bytes(path: str) -> bytes:  # one whole file from a local path or URL a user points at (an adapter), links followed

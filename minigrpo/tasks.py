@@ -9,15 +9,29 @@ import importlib.metadata
 import json
 import random
 import re
+from fractions import Fraction
 
 import fsspec
 import math_verify
 
+from minigrpo.engine import SamplingParams
 
 Problem = collections.namedtuple("Problem", "prompt answer")
 
 
-class ReverseAddition:
+class Task:  # what every task shares: its side of a conversation (--max_turns above 1, which make_task sets)
+    max_turns = 1
+
+    def reset(self, problem: Problem) -> list[str]:  # the conversation's opening: user, assistant, user, ... texts
+        return [problem.prompt]
+
+    def step(self, problem: Problem, turns: list[str]) -> tuple[str | None, float]:
+        """After the policy's turns: (the reply, None to end; the reward). A wrong answer is asked again, a new try."""
+        reward = self.reward(turns[-1], problem.answer)
+        return (None if reward == 1 else problem.prompt), reward
+
+
+class ReverseAddition(Task):
     grader = "exact match"  # recorded in run.json and in every group: one grader scores a whole run
 
     def __init__(self):
@@ -75,9 +89,9 @@ def json_line(path: str, i: int, line: bytes) -> dict:  # one row of a JSON Line
     raise SystemExit(f'{path} line {i} is not a JSON object; --task_data takes one a line: {{"problem": .., "answer": ..}}')
 
 
-class MathTask:
-    def __init__(self, data: str, fields: str = "problem,answer", reasoning: bool = False, eval_fraction: float = 0.05,
-                 answer_format: str = "boxed"):
+class MathTask(Task):
+    def __init__(self, data: str, fields: str = "problem,answer", reasoning: bool = False, answer_format: str = "boxed",
+                 eval_fraction: float = 0.05):
         self.answer_format, self.grader = answer_format, f"math-verify {importlib.metadata.version('math-verify')}, {answer_format}"
         if not data:
             raise SystemExit("--task math needs --task_data: a .jsonl or .parquet file, or hf://datasets/OWNER/NAME/FILE")
@@ -109,24 +123,100 @@ class MathTask:
         return math_reward(completion, answer, self.reasoning, self.answer_format)
 
 
-def make_task(run) -> "ReverseAddition | MathTask":
-    if run.task_data and run.task != "math":  # SystemExit: the scripts print it as one line, not a traceback
-        raise SystemExit(f"--task_data is read only by --task math, and --task is {run.task}: add --task math")
-    if run.task == "reverse_add":
-        return ReverseAddition()
-    if run.task == "math":
-        return MathTask(run.task_data, run.task_fields, run.reasoning, answer_format=run.answer_format)
-    raise SystemExit(f"--task {run.task!r} is unknown: pass --task reverse_add or --task math")
+class Calculator(MathTask):
+    """--task calculator: math's data and grader, and a tool. While turns remain, arithmetic in a turn (`5+7`, which small
+    models write unasked) gets its values back ("calculator: 5+7 = 12"); the first turn without any, or the last, is
+    graded. SmolLM2-135M-Instruct, told nothing, called it in 3 of 56 held-out problems before training, 55 after 30 steps."""
+
+    def step(self, problem: Problem, turns: list[str]) -> tuple[str | None, float]:
+        calls = dict.fromkeys(re.findall(r"(\d+(?:\.\d+)?)\s*([-+*/x×])\s*(\d+(?:\.\d+)?)", turns[-1]))  # in order, once
+        if calls and len(turns) < self.max_turns:
+            return "calculator: " + ", ".join(f"{a}{op}{b} = {calculate(a, op, b)}" for a, op, b in list(calls)[:4]), 0.0
+        return None, self.reward(turns[-1], problem.answer)
 
 
-def prompt_ids(tokenizer, text: str, system_prompt: str = "") -> list[int]:
+def calculate(a: str, op: str, b: str) -> str:  # one operation, exactly (fractions); x and × multiply
+    x, y = Fraction(a), Fraction(b)
+    value = x + y if op == "+" else x - y if op == "-" else (x / y if y else None) if op == "/" else x * y
+    return "undefined" if value is None else str(value) if value.denominator == 1 else f"{float(value):.6g}"
+
+
+def make_task(run) -> Task:
+    if run.task_data and run.task not in ("math", "calculator"):  # SystemExit: one line, not a traceback
+        raise SystemExit(f"--task_data is read only by --task math and calculator, and --task is {run.task}: add --task math")
+    if run.max_turns < 1:
+        raise SystemExit(f"--max_turns {run.max_turns}: a completion needs at least 1 turn")
+    if (kind := {"reverse_add": ReverseAddition, "math": MathTask, "calculator": Calculator}.get(run.task)) is None:
+        raise SystemExit(f"--task {run.task!r} is unknown: pass --task reverse_add, math or calculator")
+    task = kind() if kind is ReverseAddition else kind(run.task_data, run.task_fields, run.reasoning, run.answer_format)
+    task.max_turns = run.max_turns
+    return task
+
+
+def render(tokenizer, system_prompt: str, texts: list[str], next_turn: bool) -> list[int]:
+    """The chat template's token ids of user, assistant, user, ... texts (no template: the texts, joined)."""
     if not getattr(tokenizer, "chat_template", None):
-        return tokenizer(text)["input_ids"]
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": text}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        return tokenizer("".join(texts))["input_ids"]
+    messages = [{"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(texts)]
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=next_turn, return_dict=True)["input_ids"]
 
 
-def score(task, tokenizer, problems: list[Problem], completions) -> list[list[float]]:
-    """Rewards for completions[i][j], the j-th sample for problems[i] (special tokens such as EOS stripped)."""
-    return [[task.reward(tokenizer.decode(c.token_ids, skip_special_tokens=True), p.answer) for c in group]
-            for p, group in zip(problems, completions)]
+def prompt_ids(tokenizer, text: "str | list[str]", system_prompt: str = "") -> list[int]:  # text: or task.reset's
+    return render(tokenizer, system_prompt, [text] if isinstance(text, str) else text, True)
+
+
+def reply_ids(tokenizer, run, texts: list[str], end: int) -> list[int]:
+    """The ids of the task's reply texts[-1] after a policy turn that ended with token `end`: the conversation rendered
+    with the reply and the next turn's start, past its rendering without them (after its last `end`, if any). Refused
+    if the template is not prefix-preserving, rewriting earlier turns once another follows (Qwen3's drops thinking)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(texts[-1])["input_ids"]
+    before, after = render(tokenizer, run.system_prompt, texts[:-1], False), render(tokenizer, run.system_prompt, texts, True)
+    cut = len(before) - before[::-1].index(end) if end in before else len(before)
+    if after[:cut] != before[:cut] or tokenizer.decode(before[cut:]).strip():
+        raise SystemExit(f"--max_turns {run.max_turns}: {run.model}'s chat template is not prefix-preserving (it renders "
+                         f"earlier turns differently once a reply follows), so a conversation would not be trained on "
+                         f"the tokens sampled; use --max_turns 1")
+    return after[cut:]
+
+
+def check_turns(tokenizer, run):  # --max_turns above 1: a template that rewrites earlier turns is refused at start
+    if run.max_turns > 1:  # an answer with thinking, what such templates drop, in digits the demo's tokenizer has
+        reply_ids(tokenizer, run, ["1+1=", "<think>\n1+1\n</think>\n\n2", "Sure?"], tokenizer.eos_token_id)
+
+
+def rollout(engine, tokenizer, task, problems, prompts, params, run) -> tuple[list, list[list[float]]]:
+    """(completions[i][j], rewards[i][j]): params[i].n samples for problems[i] (prompts[i]: its ids). With --max_turns
+    above 1 a sample is a conversation: a turn up to its stop token; task.step's reply (or the end) and reward; the
+    reply's ids (reply_ids) with mask 0 and log-prob 0; the next turn; all within max_new_tokens. Sampled ids are never
+    decoded and encoded again (token-in, token-out): the trainer scores exactly them. The reward is the last one."""
+    params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+    out = engine.generate(prompts, params)
+    rewards, live = [[0.0] * len(g) for g in out], [(i, j, task.reset(p), 0) for i, p in enumerate(problems)
+                                                     for j in range(params[i].n)]  # (problem, sample, texts, turn start)
+    for c in (c for group in out for c in group):
+        c.mask = [1] * len(c.token_ids)
+    for turn in range(1, run.max_turns + 1):
+        going = []
+        for i, j, texts, start in live:
+            c, texts = out[i][j], texts + [tokenizer.decode(out[i][j].token_ids[start:], skip_special_tokens=True)]
+            reply, rewards[i][j] = task.step(problems[i], texts[len(task.reset(problems[i]))::2])
+            if reply is None or turn == run.max_turns or c.finish_reason == "length":
+                continue
+            extra = reply_ids(tokenizer, run, texts + [reply], c.token_ids[-1])
+            if len(c.token_ids) + len(extra) >= run.max_new_tokens:  # no room for the reply and a turn
+                c.finish_reason = "length"
+                continue
+            c.token_ids, c.logprobs, c.mask = c.token_ids + extra, c.logprobs + [0.0] * len(extra), c.mask + [0] * len(extra)
+            going.append((i, j, texts + [reply], len(c.token_ids)))
+        if not going:
+            break
+        asks = [SamplingParams(1, run.max_new_tokens - len(out[i][j].token_ids), params[i].temperature,
+                               None if params[i].seed is None else params[i].seed + j + 1_000_003 * turn) for i, j, *_ in going]
+        for (i, j, *_), (t,) in zip(going, engine.generate([prompts[i] + out[i][j].token_ids for i, j, *_ in going], asks)):
+            c = out[i][j]
+            c.token_ids, c.logprobs, c.mask = c.token_ids + t.token_ids, c.logprobs + t.logprobs, c.mask + [1] * len(t.token_ids)
+            c.finish_reason = t.finish_reason
+        live = going
+    return out, rewards

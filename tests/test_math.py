@@ -62,12 +62,12 @@ def test_math_task_reads_a_jsonl_with_its_own_field_names(tmp_path):
 
 
 def test_task_data_without_task_math_is_refused_in_one_line_before_the_generator_waits(tmp_path):
-    with pytest.raises(SystemExit, match="--task_data is read only by --task math, and --task is reverse_add"):
+    with pytest.raises(SystemExit, match="--task_data is read only by --task math and calculator, and --task is reverse_add"):
         make_task(RunSettings(task_data="problems.jsonl"))
     gen = subprocess.run([sys.executable, "generate.py", "--task_data", "problems.jsonl", "--run_dir", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # no run.json: it would wait 600 s
     assert gen.returncode == 1 and gen.stderr.strip().splitlines() == [
-        "--task_data is read only by --task math, and --task is reverse_add: add --task math"], gen.stderr
+        "--task_data is read only by --task math and calculator, and --task is reverse_add: add --task math"], gen.stderr
 
 
 def test_prompts_go_through_the_chat_template_when_there_is_one():

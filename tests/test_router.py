@@ -135,3 +135,21 @@ def test_refused_huge_prompts_leave_the_proxys_memory_as_it_was():
     finally:
         proxy.kill()
         replica.shutdown()
+
+
+def test_the_turns_of_a_conversation_follow_its_first_request():
+    """Multi-turn rollouts: turn t + 1 of each of a group's G conversations is the prompt, the turns and replies so far,
+    and grows it in G different ways. That fan-out is not a template: a prompt ended there, so the conversations stay
+    where their first request went, while the template before the prompts still spreads them."""
+    rng, router, inflight = random.Random(0), PrefixRouter(2), [0, 0]
+    homes = []
+    for k in range(8):
+        p = prompt(k, rng)
+        home, _ = router.choose("v1", p, inflight)  # the group's first turn: one request, n = G
+        homes.append(home)
+        convs = [list(p) for _ in range(8)]
+        for turn in range(3):
+            for c in convs:
+                c += [rng.randrange(50_000) for _ in range(rng.randrange(5, 40))]  # a turn and the task's reply
+                assert router.choose("v1", c, inflight) == (home, "affinity"), (k, turn)
+    assert set(homes) == {0, 1}

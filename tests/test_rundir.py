@@ -161,6 +161,11 @@ def hostile(storage, tmp_path, kind, monkeypatch):
             tensors["completion_ids"] = torch.ones(4, 4096, dtype=torch.long)
             tensors["behavior_logprobs"] = -torch.ones(4, 4096)
             tensors["completion_lens"] = torch.full((4,), 4096)
+            tensors["loss_mask"] = torch.ones(4, 4096, dtype=torch.int8)
+        elif kind == "mask_of_two":
+            tensors["loss_mask"][0, 0] = 2
+        elif kind == "short_mask":  # one column short of the completions'
+            tensors["loss_mask"] = tensors["loss_mask"][:, :-1].contiguous()
         elif kind == "long_prompt":
             tensors["prompt_ids"] = torch.ones(20_000, dtype=torch.long)
         data = save(tensors, metadata=meta)
@@ -174,6 +179,7 @@ REASONS = {"garbage": "SafetensorError", "truncated": "SafetensorError",
            "missing_field": "missing tensors ['behavior_logprobs']",
            "long_completion": "completion_ids: 4096 tokens, the run's max_new_tokens is 3",
            "long_prompt": "prompt_ids: 20000 tokens, the run allows 1 to 8",
+           "mask_of_two": "loss_mask holds [2]: only 0 and 1 are allowed", "short_mask": "inconsistent shapes",
            "symlink": "is not a regular file", "fifo": "is not a regular file", "directory": "is not a regular file",
            "long_name": "SafetensorError", "non_utf8_name": "SafetensorError", "unreadable": "Permission denied",
            "copy": "group_id: this group was written as 'g-000099', found as 'evil-copy-000000' (a copy)"}

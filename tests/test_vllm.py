@@ -224,6 +224,18 @@ def test_two_vllm_replicas_behind_the_proxy_train_the_demo(replicas, proxy, tmp_
     assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.05, evals
 
 
+def test_three_turn_conversations_sampled_by_vllm_start_on_policy(replicas, proxy, tmp_path):
+    """--max_turns 3: a wrong answer is asked again, up to three turns in 24 tokens. vLLM samples every turn through
+    the proxy; the trainer scores the sampled tokens in its packed layout, the task's tokens masked out: ratio 1."""
+    run_dir, turns = str(tmp_path / "run"), ["--max_turns", "3", "--max_new_tokens", "24"]
+    train_and_generate(run_dir, http_generator(proxy, "mt", "--lockstep", *turns),
+                       [*turns, "--max_steps", "2", "--eval_every", "2", "--save_every", "2", "--eval_size", "50"])
+    first = train_records(run_dir)[0]
+    assert abs(first["ratio/mean"] - 1) < 1e-3 and abs(first["ratio/min"] - 1) < 1e-3 and abs(first["ratio/max"] - 1) < 1e-3
+    assert first["health/mismatch_kl"] < 1e-6
+    assert first["completions/mean_length"] > 6, "one turn is at most 4 tokens: the conversations went on"
+
+
 # ---- the proxy's adapter rules, against vLLM's own answers ----
 def test_the_proxys_adapter_rules_hold_on_real_vllm(replicas, proxy, tmp_path):
     p1, p2 = random_adapter(tmp_path / "w1", seed=1), random_adapter(tmp_path / "w2", seed=2)

@@ -14,7 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 from minigrpo.engine import SamplingParams, TorchEngine
 from minigrpo.model import DEMO_MODEL
-from minigrpo.tasks import ReverseAddition, score
+from minigrpo.tasks import ReverseAddition
 
 CHARS = "0123456789+="
 ARCH = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -37,7 +37,8 @@ def accuracy(model, tokenizer, task, problems, seed=0) -> float:
     engine = TorchEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id)  # dropout 0: no eval()
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
     params = [SamplingParams(max_tokens=8, seed=seed * 1_000_003 + i) for i in range(len(prompts))]
-    return sum(r[0] for r in score(task, tokenizer, problems, engine.generate(prompts, params))) / len(problems)
+    texts = [tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in engine.generate(prompts, params)]
+    return sum(map(task.reward, texts, [p.answer for p in problems])) / len(problems)
 
 
 def supervised_batch(tokenizer, task, rng, size):
@@ -51,8 +52,7 @@ def supervised_batch(tokenizer, task, rng, size):
 
 def main():
     torch.set_num_threads(1)  # one thread: the same numerics, so the same model, on any machine of this kind
-    tokenizer, task, rng = build_tokenizer(), ReverseAddition(), random.Random(SEED)
-    torch.manual_seed(SEED)
+    tokenizer, task, rng, _ = build_tokenizer(), ReverseAddition(), random.Random(SEED), torch.manual_seed(SEED)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                                          pad_token_id=tokenizer.pad_token_id, **ARCH))
     model.lm_head.weight.data.mul_(HEAD_GAIN)  # std 0.08: a sharper head, a higher ceiling (bench/demo_ceiling.py)

@@ -1,0 +1,91 @@
+"""Multi-turn environments (--max_turns) learning, per seed, against the single-turn demo in the same run of this
+script. Each run is the README's generate.py + train.py pair on a fresh run directory; held-out accuracy (the
+conversation's final reward, T=1) at step 0 and every --eval_every steps, with step 1's ratio and mismatch_kl.
+
+    python bench/bench_multiturn.py --arms demo1,demo2                  # the demo, 1 and 2 turns: ~15 min on 2 cores
+    python bench/real_model.py build models/smollm2 && python bench/real_model.py task data/sums.jsonl
+    python bench/bench_multiturn.py --arms calculator                   # SmolLM2 with a calculator: ~40 min
+
+Arms: demo1 (the Quick start), demo2 (a wrong answer is asked again: --max_turns 2 --max_new_tokens 16), calculator
+(SmolLM2-135M-Instruct on data/sums.jsonl; arithmetic in a turn is answered by a calculator, then a second turn;
+--max_turns 2, 20 steps). Writes bench/results/multiturn_<arms>.json: per arm, mean +- sd over the seeds.
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import ROOT, report
+
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from conftest import train_records  # noqa: E402
+
+from minigrpo.run import read_records  # noqa: E402
+from minigrpo.storage import Storage  # noqa: E402
+
+SMOL = ["--model", "models/smollm2", "--task", "calculator", "--task_data", "data/sums.jsonl", "--answer_format",
+        "last_number", "--max_new_tokens", "48", "--max_turns", "2"]
+ARMS = {  # (flags both take, generate.py's, train.py's)
+    "demo1": ([], [], []),
+    "demo2": (["--max_turns", "2", "--max_new_tokens", "16"], [], []),
+    "calculator": (SMOL, ["--prompts_per_batch", "4"], ["--lr", "1e-3", "--groups_per_step", "4", "--max_steps", "20",
+                                                        "--eval_every", "10", "--save_every", "10"]),
+}
+
+
+def one_run(arm: str, seed: int, work: str) -> dict:
+    run_dir, (both, gen_flags, train_flags) = os.path.join(work, f"{arm}-s{seed}"), ARMS[arm]
+    common = ["--run_dir", run_dir, "--seed", str(seed), *both]
+    env, t0, load = os.environ | {"PYTHONUNBUFFERED": "1"}, time.time(), os.getloadavg()[0]
+    with open(run_dir + ".train.log", "w") as tlog, open(run_dir + ".gen.log", "w") as glog:
+        g = subprocess.Popen([sys.executable, "generate.py", *common, *gen_flags], cwd=ROOT, stdout=glog,
+                             stderr=subprocess.STDOUT, env=env)
+        try:
+            rc = subprocess.run([sys.executable, "train.py", *common, *train_flags], cwd=ROOT, stdout=tlog,
+                                stderr=subprocess.STDOUT, env=env).returncode
+        finally:
+            g.kill()
+            g.wait()
+    assert rc == 0, open(run_dir + ".train.log").read()[-3000:]
+    steps = train_records(run_dir)
+    step0 = [r for r in read_records(Storage(run_dir), "train") if r.get("step") == 0][-1]
+    evals = {0: step0["eval/accuracy"]} | {r["step"]: r["eval/accuracy"] for r in steps if "eval/accuracy" in r}
+    first = steps[0]
+    return {"arm": arm, "seed": seed, "evals": evals, "ratio1": first["ratio/mean"], "ratio1_min": first["ratio/min"],
+            "ratio1_max": first["ratio/max"], "kl1": first["health/mismatch_kl"],
+            "kl_mean": statistics.mean(r["health/mismatch_kl"] for r in steps),
+            "length_mean": statistics.mean(r["completions/mean_length"] for r in steps),
+            "wall_s": time.time() - t0, "load": [load, os.getloadavg()[0]]}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arms", default="demo1,demo2", help="comma-separated: " + ", ".join(ARMS))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--work_dir", default="", help="keep the run directories and logs here (default: a temp folder)")
+    args = p.parse_args()
+    work = args.work_dir or tempfile.mkdtemp(prefix="bench-multiturn-")
+    os.makedirs(work, exist_ok=True)
+    arms, runs = args.arms.split(","), []
+    for seed in range(args.seeds):
+        for arm in arms:  # in turns: every arm sees the same stretch of load
+            runs.append(one_run(arm, seed, work))
+            print(runs[-1], flush=True)
+    ms = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}"  # noqa: E731
+    rows = []
+    for arm in arms:
+        mine = [r for r in runs if r["arm"] == arm]
+        rows.append({"arm": arm, **{f"eval@{s}": ms([r["evals"][s] for r in mine]) for s in sorted(mine[0]["evals"])},
+                     "step1 ratio": ms([r["ratio1"] for r in mine]),
+                     "step1 ratio min-max": f"{min(r['ratio1_min'] for r in mine):.5f}-{max(r['ratio1_max'] for r in mine):.5f}",
+                     "step1 mismatch_kl": f"{max(r['kl1'] for r in mine):.2g} (max)", "length": ms([r["length_mean"] for r in mine]),
+                     "wall s": ms([r["wall_s"] for r in mine])})
+    report(f"multiturn_{'_'.join(arms)}", rows, f"{args.seeds} seeds, arms in turns; load at start/end of each run in "
+           "'runs'", {"runs": runs})
+
+
+if __name__ == "__main__":
+    main()
