@@ -410,9 +410,9 @@ def test_replicas_serving_other_weights_under_the_expected_names_are_caught_befo
     version_of = {r["batch"]: r["policy_version"] for r in gen_records(run_dir, "liar")}  # 8 groups a batch
     late = [g for r in steps for g in r["group_ids"] if g.startswith("liar-") and version_of[int(g[-6:]) // 8 + 1]]
     reasons = [storage.get(f"bad/{n}").decode() for n in storage.list("bad") if n.endswith(".reason.txt")]
-    gaps = [float(re.search(r"of ([0-9.]+) a token", r)[1]) for r in reasons]
+    gaps = [float(re.search(r"of ([0-9.]+) a token", r)[1]) for r in reasons]  # printed to 4 digits: 0.0100 is above 0.01
     assert reasons and all(r.startswith("'liar-") and "PolicyMismatch" in r and "v0's" not in r for r in reasons), reasons
-    assert min(gaps) > 0.01 and len(late) <= bound * (len(late) + len(reasons)), (late, len(reasons))
+    assert min(gaps) >= 0.01 and len(late) <= bound * (len(late) + len(reasons)), (late, len(reasons))
     assert sum(r["sample/policy_mismatch"] for r in steps) == len(reasons) and "POLICY MISMATCH" in out, out[-3000:]
 
 
