@@ -26,6 +26,7 @@ from minigrpo.rollouts import Group, read_group, to_tensors
 from minigrpo.run import RunSettings
 from minigrpo.tasks import Calculator, Problem, ReverseAddition, calculate, make_task, prompt_ids, reply_ids, rollout
 from safetensors.torch import save
+from test_train_step import lora_model  # the same tiny LoRA model at every call: the sampler's and the trainer's
 from train import TrainConfig, build_samples, train_step
 
 RUN = RunSettings(max_turns=3, max_new_tokens=24)
@@ -76,21 +77,10 @@ def test_three_turn_conversations_are_scored_exactly_by_the_trainer():
     assert batch.mask.sum() == sum(sum(c.mask) for c in completions) < sum(len(c.mask) for c in completions)
 
 
-def policy():
-    """The same tiny LoRA model at every call: the sampler's weights and the trainer's."""
-    model = tiny_model()
-    inject_lora(model, 4, 8)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for layer in lora_layers(model).values():
-            layer.lora_B.normal_(std=0.1)
-    return model
-
-
 def samples_with_replies(seed=0):
     """Two-turn samples: a turn, 3 tokens the task wrote (mask 0, log-prob 0), another turn; the policy's log-probs."""
     from conftest import sequence_logprobs
-    rng, out, model = random.Random(seed), [], policy()
+    rng, out, model = random.Random(seed), [], lora_model()
     for i in range(8):
         prompt = [rng.randrange(2, 32) for _ in range(4)]
         turns = [[rng.randrange(2, 32) for _ in range(rng.randrange(1, 5))] for _ in range(2)]
@@ -105,7 +95,7 @@ def samples_with_replies(seed=0):
 
 
 def step_grads(samples, cfg, run=RunSettings(max_new_tokens=16)):
-    model = policy()
+    model = lora_model()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.0)
     opt.zero_grad = lambda set_to_none=True: None  # keep the gradients to read
