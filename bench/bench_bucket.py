@@ -4,6 +4,10 @@ folder and on a real S3 server (moto's server mode, on loopback), in turns, --re
     python bench/bench_bucket.py --steps 300 --repeats 3                        # bench/results/bucket.json
     python bench/bench_bucket.py --steps 50 --repeats 3 --baseline /tmp/old     # also an older checkout, side by side
     python bench/bench_bucket.py --root /tmp/new ...                            # run another checkout (a snapshot)
+    python bench/bench_bucket.py --profile --steps 40                          # where a bucket step's time goes
+
+--profile runs the bucket demo once with moto's request log, counts the requests per training step by kind, and times
+single requests (a 6 kB PUT and GET, a listing) one after another: bench/results/bucket_profile.json.
 
 Reported per target: the wall time of the whole run, the mean step time (evaluation left out) over the first 50 steps
 and over the last 50, and the mean rollout wait; then each bucket target's ratio to the folder run of the same turn.
@@ -26,10 +30,10 @@ from common import report  # noqa: E402
 from conftest import free_port, train_records  # noqa: E402
 
 
-def start_moto() -> tuple[subprocess.Popen, dict]:
+def start_moto(log=subprocess.DEVNULL) -> tuple[subprocess.Popen, dict]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT)
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     for _ in range(300):
@@ -74,6 +78,42 @@ def summary(runs: list[dict]) -> dict:
     return out
 
 
+def profile(steps: int):
+    """One bucket demo with moto's request log: requests per step by kind; then single requests, timed."""
+    import re
+    from minigrpo.storage import Storage
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/moto.log", "w") as log:
+            moto, env = start_moto(log)
+        try:
+            os.environ.update(env)
+            import boto3
+            boto3.client("s3").create_bucket(Bucket="bench-profile")
+            demo(str(ROOT), "s3://bench-profile/run", steps, env)
+            counts = {}
+            for method, path in re.findall(r'"(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP', open(f"{tmp}/moto.log").read()):
+                key = path.split("?")[0].removeprefix("/bench-profile").removeprefix("/run").strip("/")
+                kind = "a listing" if "list-type" in path else "delete (batched)" if method == "POST" else \
+                    f"{method} {key.split('/')[0] + ('/*' if '/' in key else '')}"
+                counts[kind] = counts.get(kind, 0) + 1
+            store, data, timed = Storage("s3://bench-profile/timing"), os.urandom(6000), {}
+            for what, call in [("PUT 6 kB", lambda i: store.put(f"x/{i}", data)), ("GET 6 kB", lambda i: store.get(f"x/{i}")),
+                               ("list 50 names", lambda i: store.list("x"))]:
+                times = []
+                for i in range(50):
+                    t0 = time.perf_counter()
+                    call(i)
+                    times.append(time.perf_counter() - t0)
+                timed[what] = f"{statistics.median(times) * 1000:.1f} ms (min {min(times) * 1000:.1f})"
+        finally:
+            moto.kill()
+    rows = [{"requests": k, "per step": round(v / steps, 1)} for k, v in sorted(counts.items(), key=lambda kv: -kv[1])]
+    rows += [{"requests": "all", "per step": round(sum(counts.values()) / steps, 1)}]
+    rows += [{"requests": f"one {k}, alone", "per step": v} for k, v in timed.items()]
+    report("bucket_profile", rows, notes=f"python bench/bench_bucket.py --profile --steps {steps}: requests moto logged "
+           "during the run, over its steps; then single requests one after another, median of 50")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=50)
@@ -81,7 +121,10 @@ if __name__ == "__main__":
     parser.add_argument("--root", default=str(ROOT), help="the checkout to run")
     parser.add_argument("--baseline", default="", help="another checkout to run on the bucket too (before a change)")
     parser.add_argument("--name", default="bucket")
+    parser.add_argument("--profile", action="store_true", help="count and time a bucket run's requests instead")
     args = parser.parse_args()
+    if args.profile:
+        raise SystemExit(profile(args.steps))
     moto, env = start_moto()
     import boto3
     targets = {"local": (args.root, False), "s3": (args.root, True)}

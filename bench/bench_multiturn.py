@@ -6,9 +6,14 @@ conversation's final reward, T=1) at step 0 and every --eval_every steps, with s
     python bench/real_model.py build models/smollm2 && python bench/real_model.py task data/sums.jsonl
     python bench/bench_multiturn.py --arms calculator                   # SmolLM2 with a calculator: ~40 min
 
+    python bench/bench_multiturn.py --probe DIR                         # why a second try adds little (DIR: --work_dir)
+
 Arms: demo1 (the Quick start), demo2 (a wrong answer is asked again: --max_turns 2 --max_new_tokens 16), calculator
 (SmolLM2-135M-Instruct on data/sums.jsonl; arithmetic in a turn is answered by a calculator, then a second turn;
 --max_turns 2, 20 steps). Writes bench/results/multiturn_<arms>.json: per arm, mean +- sd over the seeds.
+--probe samples two-turn demo conversations on the 400 held-out problems (4 each, sampling seeds 0-2) with the base
+model and with each demo run's final adapter in DIR: how often the first try is right, and how often the second try
+is right after a wrong first one (bench/results/multiturn_probe.json).
 """
 import argparse
 import os
@@ -61,12 +66,51 @@ def one_run(arm: str, seed: int, work: str) -> dict:
             "wall_s": time.time() - t0, "load": [load, os.getloadavg()[0]]}
 
 
+def probe(work: str) -> None:
+    from minigrpo.engine import SamplingParams, TorchEngine
+    from minigrpo.lora import inject_lora
+    from minigrpo.model import load_model, stop_token_ids
+    from minigrpo.run import RunSettings
+    from minigrpo.tasks import make_task, prompt_ids, rollout
+    run = RunSettings(max_turns=2, max_new_tokens=16)
+    model, tok = load_model("demo", "cpu")
+    inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)  # B = 0: the base model until an adapter loads
+    task, rows = make_task(run), []
+    problems = task.eval_problems(400)
+    prompts = [prompt_ids(tok, task.reset(p)) for p in problems]
+    dirs = sorted(d for d in os.listdir(work) if d.startswith("demo") and os.path.isdir(os.path.join(work, d)))
+    for name in ["base"] + dirs:
+        engine = TorchEngine(model, stop_token_ids(model, tok), tok.pad_token_id)
+        if name != "base":
+            adapters = Storage(os.path.join(work, name, "adapters"))
+            engine.load_adapter(0, os.path.join(work, name, "adapters", max(adapters.list("", "policy-"))))
+        first, second = [], []
+        for seed in range(3):
+            engine.rng.manual_seed(seed)
+            out, rewards = rollout(engine, tok, task, problems, prompts, SamplingParams(n=4, max_tokens=16), run)
+            for p, group, rs in zip(problems, out, rewards):
+                for c, r in zip(group, rs):
+                    turn1 = c.mask.index(0) if 0 in c.mask else len(c.mask)
+                    right = task.reward(tok.decode(c.token_ids[:turn1], skip_special_tokens=True), p.answer)
+                    first.append(right)
+                    if not right and turn1 < len(c.mask):  # a wrong first try that was asked again
+                        second.append(r)
+        rows.append({"policy": name, "first try right": round(statistics.mean(first), 4), "second tries": len(second),
+                     "second try right": round(statistics.mean(second), 4) if second else None})
+        print(rows[-1], flush=True)
+    report("multiturn_probe", rows, f"python bench/bench_multiturn.py --probe {work}: 400 held-out problems x 4 samples "
+           "x sampling seeds 0-2, T=1, --max_turns 2 --max_new_tokens 16")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default="demo1,demo2", help="comma-separated: " + ", ".join(ARMS))
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--work_dir", default="", help="keep the run directories and logs here (default: a temp folder)")
+    p.add_argument("--probe", default="", metavar="DIR", help="no runs: probe the second try of DIR's demo runs")
     args = p.parse_args()
+    if args.probe:
+        return probe(args.probe)
     work = args.work_dir or tempfile.mkdtemp(prefix="bench-multiturn-")
     os.makedirs(work, exist_ok=True)
     arms, runs = args.arms.split(","), []

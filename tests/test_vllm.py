@@ -231,6 +231,8 @@ def test_three_turn_conversations_sampled_by_vllm_start_on_policy(replicas, prox
     train_and_generate(run_dir, http_generator(proxy, "mt", "--lockstep", *turns),
                        [*turns, "--max_steps", "2", "--eval_every", "2", "--save_every", "2", "--eval_size", "50"])
     first = train_records(run_dir)[0]
+    print(f"vLLM, 3 turns, step 1: ratio {first['ratio/mean']:.6f} ({first['ratio/min']:.6f}-{first['ratio/max']:.6f}), "
+          f"mismatch_kl {first['health/mismatch_kl']:.2e}")  # the figures the README quotes (pytest -s)
     assert abs(first["ratio/mean"] - 1) < 1e-3 and abs(first["ratio/min"] - 1) < 1e-3 and abs(first["ratio/max"] - 1) < 1e-3
     assert first["health/mismatch_kl"] < 1e-6
     assert first["completions/mean_length"] > 6, "one turn is at most 4 tokens: the conversations went on"
