@@ -89,7 +89,7 @@ def profile(steps: int):
             os.environ.update(env)
             import boto3
             boto3.client("s3").create_bucket(Bucket="bench-profile")
-            demo(str(ROOT), "s3://bench-profile/run", steps, env)
+            timing = demo(str(ROOT), "s3://bench-profile/run", steps, env)
             counts = {}
             for method, path in re.findall(r'"(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP', open(f"{tmp}/moto.log").read()):
                 key = path.split("?")[0].removeprefix("/bench-profile").removeprefix("/run").strip("/")
@@ -97,8 +97,8 @@ def profile(steps: int):
                     f"{method} {key.split('/')[0] + ('/*' if '/' in key else '')}"
                 counts[kind] = counts.get(kind, 0) + 1
             store, data, timed = Storage("s3://bench-profile/timing"), os.urandom(6000), {}
-            for what, call in [("PUT 6 kB", lambda i: store.put(f"x/{i}", data)), ("GET 6 kB", lambda i: store.get(f"x/{i}")),
-                               ("list 50 names", lambda i: store.list("x"))]:
+            for what, call in [("PUT 6 kB", lambda i: store.put(f"x/{i}", data)),
+                               ("GET 6 kB", lambda i: store.get(f"x/{i}")), ("list 50 names", lambda i: store.list("x"))]:
                 times = []
                 for i in range(50):
                     t0 = time.perf_counter()
@@ -107,8 +107,10 @@ def profile(steps: int):
                 timed[what] = f"{statistics.median(times) * 1000:.1f} ms (min {min(times) * 1000:.1f})"
         finally:
             moto.kill()
-    rows = [{"requests": k, "per step": round(v / steps, 1)} for k, v in sorted(counts.items(), key=lambda kv: -kv[1])]
+    rows = [{"requests": k, "per step": round(v / steps, 1)} for k, v in sorted(counts.items(), key=lambda kv: -kv[1])
+            if v / steps >= 0.1]  # the rest: the run's start and end
     rows += [{"requests": "all", "per step": round(sum(counts.values()) / steps, 1)}]
+    rows += [{"requests": f"the run's mean {k}", "per step": f"{timing[k]:.2f} s"} for k in ("step_s_1_50", "wait_s")]
     rows += [{"requests": f"one {k}, alone", "per step": v} for k, v in timed.items()]
     report("bucket_profile", rows, notes=f"python bench/bench_bucket.py --profile --steps {steps}: requests moto logged "
            "during the run, over its steps; then single requests one after another, median of 50")
