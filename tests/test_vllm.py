@@ -162,15 +162,21 @@ def run_id(run_dir: str) -> str:
     return json.loads(Storage(run_dir).get("run.json"))["run_id"]
 
 
+def train_log(run_dir: str) -> str:
+    return f"{run_dir}.train.log"
+
+
 def train_and_generate(run_dir: str, gen_args: list, train_args: list, train: subprocess.Popen | None = None,
                        timeout_s: float = 900) -> str:
-    """generate.py beside train.py (or the `train` already started) on one run directory, until the trainer is done;
-    the trainer's output. A generator that dies first fails the test at once."""
+    """generate.py beside train.py (or the `train` already started, writing into train_log) on one run directory, until
+    the trainer is done; the trainer's output. A generator that dies first fails the test at once. The trainer writes
+    into a file, never a pipe: a pipe nobody reads fills at 64 KiB (400 quarantine lines) and stops the trainer."""
     common = ["--run_dir", run_dir, "--model", MODEL]
     env = os.environ | VLLM_ENV | {"PYTHONUNBUFFERED": "1"}
     if train is None:
-        train = subprocess.Popen([sys.executable, "train.py", *common, *train_args], cwd=ROOT, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)
+        with open(train_log(run_dir), "w") as tlog:
+            train = subprocess.Popen([sys.executable, "train.py", *common, *train_args], cwd=ROOT, stdout=tlog,
+                                     stderr=subprocess.STDOUT, text=True)
     log = f"{run_dir}.generate.log"
     with open(log, "wb") as out:
         gen = subprocess.Popen([sys.executable, "generate.py", *common, *gen_args], cwd=ROOT, stdout=out,
@@ -181,7 +187,7 @@ def train_and_generate(run_dir: str, gen_args: list, train_args: list, train: su
             assert gen.poll() in (None, 0), f"generate.py exited with {gen.returncode}:\n{open(log, errors='replace').read()[-3000:]}"
             assert time.time() < deadline, f"train.py still running after {timeout_s}s"
             time.sleep(1)
-        out = train.stdout.read()
+        out = open(train_log(run_dir), errors="replace").read()
         assert train.returncode == 0, out[-3000:]
         assert gen.wait(timeout=120) == 0, open(log, errors="replace").read()[-3000:]
     finally:
@@ -374,9 +380,10 @@ def test_replicas_serving_other_weights_under_the_expected_names_are_caught_befo
     (view / "adapters").mkdir(parents=True)
     base = f"{run_dir}/adapters/policy-{{}}-v000000"  # {} is the run id, known once train.py writes run.json
     later = random_adapter(tmp_path / "other", seed=3) if served == "other" else base
-    train = subprocess.Popen([sys.executable, "train.py", "--run_dir", run_dir, "--model", MODEL, "--max_steps", "3",
-                              "--groups_per_step", "8", "--loss_type", "grpo", "--eval_every", "100", "--eval_size",
-                              "20"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(train_log(run_dir), "w") as tlog:  # a file, not a pipe: each caught group prints a line
+        train = subprocess.Popen([sys.executable, "train.py", "--run_dir", run_dir, "--model", MODEL, "--max_steps", "3",
+                                  "--groups_per_step", "8", "--loss_type", "grpo", "--eval_every", "100", "--eval_size",
+                                  "20"], cwd=ROOT, stdout=tlog, stderr=subprocess.STDOUT, text=True)
     honest, stop = [], threading.Event()
 
     def honest_after_the_first_catch():  # the event, not a sleep, decides when the honest generator joins
@@ -392,7 +399,7 @@ def test_replicas_serving_other_weights_under_the_expected_names_are_caught_befo
     try:
         deadline = time.time() + 300
         while not Storage(run_dir).exists("run.json"):
-            assert train.poll() is None and time.time() < deadline, train.stdout.read()
+            assert train.poll() is None and time.time() < deadline, open(train_log(run_dir)).read()
             time.sleep(0.2)
         rid = run_id(run_dir)
         os.symlink(f"{run_dir}/adapters/policy-{rid}-v000000", view / "adapters" / f"policy-{rid}-v000000")
