@@ -23,17 +23,12 @@ band as the shipped model. --model runs the demo arms on such a model (results: 
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from common import ROOT, report
+from common import generate_and_train, report  # common puts the repository on the path
 
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from conftest import train_records  # noqa: E402
-
-from minigrpo.run import read_records  # noqa: E402
 from minigrpo.storage import Storage  # noqa: E402
 
 SMOL = ["--model", "models/smollm2", "--task", "calculator", "--task_data", "data/sums.jsonl", "--answer_format",
@@ -51,19 +46,8 @@ def one_run(arm: str, seed: int, work: str, model: str = "") -> dict:
     both = both + ["--model", model] if model and arm.startswith("demo") else both
     common = ["--run_dir", run_dir, "--seed", str(seed), *both]
     env, t0, load = os.environ | {"PYTHONUNBUFFERED": "1"}, time.time(), os.getloadavg()[0]
-    with open(run_dir + ".train.log", "w") as tlog, open(run_dir + ".gen.log", "w") as glog:
-        g = subprocess.Popen([sys.executable, "generate.py", *common, *gen_flags], cwd=ROOT, stdout=glog,
-                             stderr=subprocess.STDOUT, env=env)
-        try:
-            rc = subprocess.run([sys.executable, "train.py", *common, *train_flags], cwd=ROOT, stdout=tlog,
-                                stderr=subprocess.STDOUT, env=env).returncode
-        finally:
-            g.kill()
-            g.wait()
-    assert rc == 0, open(run_dir + ".train.log").read()[-3000:]
-    steps = train_records(run_dir)
-    step0 = [r for r in read_records(Storage(run_dir), "train") if r.get("step") == 0][-1]
-    evals = {0: step0["eval/accuracy"]} | {r["step"]: r["eval/accuracy"] for r in steps if "eval/accuracy" in r}
+    steps, evals = generate_and_train(run_dir, [sys.executable, "generate.py", *common, *gen_flags],
+                                      [sys.executable, "train.py", *common, *train_flags], env)
     first = steps[0]
     return {"arm": arm, "seed": seed, "evals": evals, "ratio1": first["ratio/mean"], "ratio1_min": first["ratio/min"],
             "ratio1_max": first["ratio/max"], "kl1": first["health/mismatch_kl"],

@@ -13,19 +13,12 @@ mean and largest health/mismatch_kl, of the clipped fractions, and of the step t
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from common import ROOT, report
-
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from compare_trl import REAL  # noqa: E402  the recipe's settings
-from conftest import train_records  # noqa: E402
-
-from minigrpo.run import read_records  # noqa: E402
-from minigrpo.storage import Storage  # noqa: E402
+from common import generate_and_train, report
+from compare_trl import REAL  # the recipe's settings
 
 
 def one_run(model, data, lr, seed, steps, eval_every, work) -> dict:
@@ -37,17 +30,7 @@ def one_run(model, data, lr, seed, steps, eval_every, work) -> dict:
     gen = [sys.executable, "generate.py", *common, *flags(REAL["gen"]), "--generator_id", "g"]
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
-    with open(run_dir + ".train.log", "w") as tlog, open(run_dir + ".gen.log", "w") as glog:
-        g = subprocess.Popen(gen, cwd=ROOT, stdout=glog, stderr=subprocess.STDOUT, env=env)
-        try:
-            rc = subprocess.run(train, cwd=ROOT, stdout=tlog, stderr=subprocess.STDOUT, env=env).returncode
-        finally:
-            g.kill()
-            g.wait()
-    assert rc == 0, open(run_dir + ".train.log").read()[-3000:]
-    steps_ = train_records(run_dir)
-    step0 = [r for r in read_records(Storage(run_dir), "train") if r.get("step") == 0][-1]
-    evals = {0: step0["eval/accuracy"]} | {r["step"]: r["eval/accuracy"] for r in steps_ if "eval/accuracy" in r}
+    steps_, evals = generate_and_train(run_dir, gen, train, env)
     kl = [r["health/mismatch_kl"] for r in steps_]
     return {"lr": lr, "seed": seed, "evals": evals, "kl_mean": statistics.mean(kl), "kl_max": max(kl),
             "clip_low": statistics.mean(r["clip_ratio/low"] for r in steps_),

@@ -3,6 +3,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 
@@ -52,6 +53,26 @@ def report(name: str, rows: list[dict], notes: str = "", extra: dict | None = No
     with open(path, "w") as f:
         json.dump({"rows": rows, "notes": notes, **(extra or {}), "time": time.time()}, f, indent=2)
     return path
+
+
+def generate_and_train(run_dir: str, gen: list, train: list, env: dict) -> tuple[list[dict], dict]:
+    """One generator command beside one trainer command on run_dir until the trainer is done (their output in
+    run_dir.gen.log and run_dir.train.log): the trainer's step records and its held-out accuracy by step, 0 included."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from conftest import train_records
+    from minigrpo.run import read_records
+    from minigrpo.storage import Storage
+    with open(run_dir + ".train.log", "w") as tlog, open(run_dir + ".gen.log", "w") as glog:
+        g = subprocess.Popen(gen, cwd=ROOT, stdout=glog, stderr=subprocess.STDOUT, env=env)
+        try:
+            rc = subprocess.run(train, cwd=ROOT, stdout=tlog, stderr=subprocess.STDOUT, env=env).returncode
+        finally:
+            g.kill()
+            g.wait()
+    assert rc == 0, open(run_dir + ".train.log").read()[-3000:]
+    steps = train_records(run_dir)
+    step0 = [r for r in read_records(Storage(run_dir), "train") if r.get("step") == 0][-1]
+    return steps, {0: step0["eval/accuracy"]} | {r["step"]: r["eval/accuracy"] for r in steps if "eval/accuracy" in r}
 
 
 def stop_all(procs, logs):
