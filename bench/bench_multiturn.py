@@ -6,9 +6,8 @@ conversation's final reward, T=1) at step 0 and every --eval_every steps, with s
     python bench/real_model.py build models/smollm2 && python bench/real_model.py task data/sums.jsonl
     python bench/bench_multiturn.py --arms calculator                   # SmolLM2 with a calculator: ~40 min
 
-    python bench/bench_multiturn.py --probe DIR                         # why a second try adds little (DIR: --work_dir)
-    python bench/bench_multiturn.py --build_retry_model /tmp/retry      # a demo model that has seen second tries
-    python bench/bench_multiturn.py --arms demo1,demo2 --model /tmp/retry   # both demo arms on it
+    python bench/bench_multiturn.py --probe DIR                         # how often a second try is right (DIR: --work_dir)
+    python bench/bench_multiturn.py --arms demo1,demo2 --model DIR --name old   # on another demo model (a folder)
 
 Arms: demo1 (the Quick start), demo2 (a wrong answer is asked again: --max_turns 2 --max_new_tokens 16), calculator
 (SmolLM2-135M-Instruct on data/sums.jsonl; arithmetic in a turn is answered by a calculator, then a second turn;
@@ -16,9 +15,8 @@ Arms: demo1 (the Quick start), demo2 (a wrong answer is asked again: --max_turns
 --probe samples two-turn demo conversations on the 400 held-out problems (4 each, sampling seeds 0-2) with the base
 model and with each demo run's final adapter in DIR: how often the first try is right, and how often the second try
 is right after a wrong first one (bench/results/multiturn_probe.json; --model: with that base model).
---build_retry_model runs the demo maker (minigrpo/tools/demo.py) with half its rows a second try: the prompt, a wrong
-answer and EOS, then the prompt again and its answer, the loss on that answer only. It stops on the same single-turn
-band as the shipped model. --model runs the demo arms on such a model (results: multiturn_<arms>_<--name>.json).
+--model runs the demo arms on another demo model, for example the one shipped up to commit 1eee192, which never saw
+a second try in its training rows (results: multiturn_<arms>_<--name>.json).
 """
 import argparse
 import os
@@ -56,29 +54,7 @@ def one_run(arm: str, seed: int, work: str, model: str = "") -> dict:
             "wall_s": time.time() - t0, "load": [load, os.getloadavg()[0]]}
 
 
-def build_retry_model(out: str) -> None:
-    import torch
-    from torch.nn.utils.rnn import pad_sequence
-
-    from minigrpo.tools import demo
-
-    def retry_batch(tokenizer, task, rng, size):  # demo.supervised_batch, half its rows a second try
-        seqs, labels, eos = [], [], tokenizer.eos_token_id
-        for p in [task.sample(rng) for _ in range(size)]:
-            one, head = tokenizer(p.prompt + p.answer)["input_ids"] + [eos], []
-            if rng.random() < 0.5:
-                wrong = str(rng.randrange(10, 200))
-                head = tokenizer(p.prompt + (wrong if wrong != p.answer else wrong + "1"))["input_ids"] + [eos]
-            seqs.append(head + one)
-            labels.append([-100] * (len(head) + len(p.prompt)) + one[len(p.prompt):])
-        pad = lambda lists, fill: pad_sequence([torch.tensor(x) for x in lists], True, fill)  # noqa: E731
-        return pad(seqs, tokenizer.pad_token_id), pad(labels, -100)
-
-    demo.supervised_batch, demo.DEMO_MODEL = retry_batch, out
-    demo.main()
-
-
-def probe(work: str, base: str = "demo") -> None:
+def probe(work: str, base: str = "demo", suffix: str = "") -> None:
     from minigrpo.engine import SamplingParams, TorchEngine
     from minigrpo.lora import inject_lora
     from minigrpo.model import load_model, stop_token_ids
@@ -110,8 +86,8 @@ def probe(work: str, base: str = "demo") -> None:
         rows.append({"policy": name, "first try right": round(statistics.mean(first), 4), "second tries": len(second),
                      "second try right": round(statistics.mean(second), 4) if second else None})
         print(rows[-1], flush=True)
-    flags = f"--probe {work}" + ("" if base == "demo" else f" --model {base}")
-    report("multiturn_probe" + ("" if base == "demo" else "_retry"), rows, f"python bench/bench_multiturn.py {flags}: "
+    flags = f"--probe {work}" + ("" if base == "demo" else f" --model {base}") + (f" --name {suffix}" if suffix else "")
+    report("multiturn_probe" + (f"_{suffix}" if suffix else ""), rows, f"python bench/bench_multiturn.py {flags}: "
            "400 held-out problems x 4 samples x sampling seeds 0-2, T=1, --max_turns 2 --max_new_tokens 16")
 
 
@@ -121,15 +97,11 @@ def main():
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--work_dir", default="", help="keep the run directories and logs here (default: a temp folder)")
     p.add_argument("--probe", default="", metavar="DIR", help="no runs: probe the second try of DIR's demo runs")
-    p.add_argument("--build_retry_model", default="", metavar="DIR", help="no runs: build a demo model that has seen "
-                   "second tries into DIR")
     p.add_argument("--model", default="", help="the demo arms' (and --probe's) base model, a folder")
     p.add_argument("--name", default="", help="a suffix for the results file")
     args = p.parse_args()
-    if args.build_retry_model:
-        return build_retry_model(args.build_retry_model)
     if args.probe:
-        return probe(args.probe, args.model or "demo")
+        return probe(args.probe, args.model or "demo", args.name)
     work = args.work_dir or tempfile.mkdtemp(prefix="bench-multiturn-")
     os.makedirs(work, exist_ok=True)
     arms, runs = args.arms.split(","), []

@@ -63,6 +63,21 @@ def test_base_model_is_right_only_part_of_the_time():
     assert 0.2 <= accuracy <= 0.35
 
 
+def test_base_model_reads_a_second_try():
+    """The two-turn demo (--max_turns 2) asks a wrong answer again. A model trained on one problem a sequence is right
+    there 0.1% of the time, so RL gets no signal; the demo model saw second tries in its training rows."""
+    model, tokenizer = load_model("demo", torch.device("cpu"))
+    run = RunSettings(max_turns=2, max_new_tokens=16)
+    task, engine = make_task(run), TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
+    problems, second = task.eval_problems(400), []
+    engine.rng.manual_seed(0)
+    out, rewards = rollout(engine, tokenizer, task, problems, [prompt_ids(tokenizer, p.prompt) for p in problems],
+                           SamplingParams(n=2, max_tokens=16), run)
+    for group, rs in zip(out, rewards):
+        second += [r for c, r in zip(group, rs) if 0 in c.mask]  # the task replied: the first try was wrong
+    assert len(second) > 200 and sum(second) / len(second) >= 0.1, (len(second), sum(second))
+
+
 def test_frozen_head_lets_a_policy_be_right_almost_always():
     """LoRA leaves the head W and the final norm's gain g frozen, so the last hidden state is g * x, |x| = sqrt(H).
     For each token, 300 steps of ascent find such an x; any x found is a lower bound on the best one, so pass@1 at T=1

@@ -58,8 +58,7 @@ class ServeConfig(P.ServerConfig):
 
 def checked(body: dict, key: str, default, ok, rule: str):
     """body[key] (default when absent or null) if ok(it), else a 400 naming the field: '{key} must {rule}, got ...'."""
-    v = body.get(key)
-    v = default if v is None else v
+    v = default if body.get(key) is None else body[key]
     if not ok(v):
         raise P.BadRequest(f"{key} must {rule}, got {v!r:.200}", key)
     return v
@@ -96,8 +95,7 @@ class Server:
 
     async def start(self, request: web.Request) -> tuple[dict, str, int]:
         body = P.parse_json(await request.read())
-        unknown = sorted(body.keys() - FIELDS[request.path])
-        if unknown:
+        if unknown := sorted(body.keys() - FIELDS[request.path]):
             raise P.BadRequest(f"{unknown[0]} is not supported by this server", unknown[0])
         for key, allowed in OFF.items():
             if body.get(key) not in allowed:
@@ -112,10 +110,9 @@ class Server:
         return body, model, number(body, "n", 1, 1, self.cfg.max_request_rows, integer=True)
 
     async def tokenize(self, texts: list[str], key: str, chat: bool = False) -> list[list[int]]:
-        for t in texts:
-            if len(t) > self.max_chars:
-                raise P.BadRequest(f"This model's maximum context length is {self.max_model_len} tokens, and {len(t)} "
-                                   f"characters are more than that many tokens can hold.", key)
+        if long := [len(t) for t in texts if len(t) > self.max_chars]:
+            raise P.BadRequest(f"This model's maximum context length is {self.max_model_len} tokens, and {long[0]} "
+                               f"characters are more than that many tokens can hold.", key)
         try:
             encode = lambda t: self.tokenizer(t, add_special_tokens=not chat)["input_ids"]
             return await asyncio.to_thread(lambda: [encode(t) for t in texts])
@@ -150,8 +147,7 @@ class Server:
         for p in prompts:
             if not p:
                 raise P.BadRequest("The decoder prompt cannot be empty", "prompt")  # a text of no tokens
-            bad = [t for t in p if not 0 <= t < self.vocab]
-            if bad:
+            if bad := [t for t in p if not 0 <= t < self.vocab]:
                 raise P.BadRequest(f"Token id {bad[0]} is out of vocabulary (size {self.vocab}).", "prompt")
             if len(p) >= self.max_model_len:
                 raise P.BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, "
@@ -184,8 +180,7 @@ class Server:
         bias = checked(body, "logit_bias", {}, lambda b: isinstance(b, dict) and all(
             k.isascii() and k.isdigit() and len(k) < 10 and type(v) in (int, float) and math.isfinite(v)
             for k, v in b.items()), "map token ids to finite numbers")
-        bad = sorted(int(k) for k in bias if int(k) >= self.vocab)
-        if bad:
+        if bad := sorted(int(k) for k in bias if int(k) >= self.vocab):
             raise P.BadRequest(f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
                                f"Vocabulary size: {self.vocab}", "logit_bias")
         return {int(k): min(100.0, max(-100.0, float(v))) for k, v in bias.items()}
@@ -303,8 +298,7 @@ class Server:
         return web.json_response({"object": "list", "data": data})
 
     async def pause(self, request):
-        mode = request.query.get("mode", "abort")
-        if mode not in ("abort", "wait", "keep"):
+        if (mode := request.query.get("mode", "abort")) not in ("abort", "wait", "keep"):
             raise P.BadRequest("Input should be 'abort', 'wait' or 'keep'", "query.mode", kind="Bad Request")
         self.scheduler.pause(mode)
         return web.json_response({"status": "paused"})

@@ -42,10 +42,16 @@ def accuracy(model, tokenizer, task, problems, seed=0) -> float:
 
 
 def supervised_batch(tokenizer, task, rng, size):
-    """Prompt + answer + EOS, right-padded, with the loss on the answer and EOS only (one token per character)."""
-    rows = [task.sample(rng) for _ in range(size)]
-    seqs = [tokenizer(p.prompt + p.answer)["input_ids"] + [tokenizer.eos_token_id] for p in rows]
-    labels = [[-100] * len(p.prompt) + s[len(p.prompt):] for p, s in zip(rows, seqs)]
+    """Prompt + answer + EOS, right-padded, the loss on the answer and EOS only. Half the rows open with a wrong try
+    (prompt, wrong answer, EOS), as --max_turns 2 asks again: without them it cannot read a problem after an answer."""
+    seqs, labels, eos = [], [], tokenizer.eos_token_id
+    for p in [task.sample(rng) for _ in range(size)]:
+        one, head = tokenizer(p.prompt + p.answer)["input_ids"] + [eos], []
+        if rng.random() < 0.5:
+            wrong = str(rng.randrange(10, 200))
+            head = tokenizer(p.prompt + (wrong if wrong != p.answer else wrong + "1"))["input_ids"] + [eos]
+        seqs.append(head + one)
+        labels.append([-100] * (len(head) + len(p.prompt)) + one[len(p.prompt):])
     pad = lambda lists, fill: pad_sequence([torch.tensor(x) for x in lists], True, fill)  # noqa: E731
     return pad(seqs, tokenizer.pad_token_id), pad(labels, -100)
 
