@@ -5,6 +5,7 @@
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from conftest import train_records
 
@@ -19,9 +20,15 @@ def script(*args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
+def scripts(calls: list[tuple]) -> list[subprocess.CompletedProcess]:
+    """script(*args) for each, four at a time: each start pays about 5 s of imports that these tests are not about."""
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda args: script(*args), calls))
+
+
 def test_an_unknown_flag_is_one_line_and_exit_2(tmp_path):
-    for name in ("train.py", "generate.py"):
-        out = script(name, "--run_dir", str(tmp_path / "run"), "--Task", "math")
+    names = ("train.py", "generate.py")
+    for name, out in zip(names, scripts([(name, "--run_dir", str(tmp_path / "run"), "--Task", "math") for name in names])):
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
         assert out.stderr.strip() == f"{name}: unrecognized arguments: --Task math (--help lists the flags)"
     assert not os.path.exists(tmp_path / "run")
@@ -117,11 +124,11 @@ def test_bad_task_inputs_are_one_line_each_and_leave_no_trace(tmp_path):
              ("--task", "math", "--task_data", str(tmp_path / "other.jsonl")): f"{tmp_path / 'other.jsonl'} row 0 lacks",
              ("--task_data", str(tmp_path / "bad.jsonl")): "--task_data is read only by --task math and calculator, and --task is "
                                                           "reverse_add: add --task math"}
-    for args, said in cases.items():
-        for name in ("train.py", "generate.py"):
-            out = script(name, "--run_dir", str(tmp_path / "run"), *args)
-            assert out.returncode == 1 and out.stderr.strip().startswith(said), (name, args, out.stderr[-2000:])
-            assert len(out.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "run"), out.stderr
+    calls = [(name, "--run_dir", str(tmp_path / "run"), *args) for args in cases for name in ("train.py", "generate.py")]
+    for (name, _, _, *args), out in zip(calls, scripts(calls)):
+        said = cases[tuple(args)]
+        assert out.returncode == 1 and out.stderr.strip().startswith(said), (name, args, out.stderr[-2000:])
+        assert len(out.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "run"), out.stderr
 
 
 def test_a_port_in_use_is_one_line_and_no_banner(tmp_path):
@@ -146,7 +153,7 @@ def test_a_tracker_that_cannot_start_is_one_line(tmp_path):
 
 
 def test_help_shows_the_scripts_description_and_example_commands():
-    for name, example in (("train.py", "python generate.py & python train.py"), ("generate.py", "python generate.py")):
-        out = script(name, "--help")
+    examples = {"train.py": "python generate.py & python train.py", "generate.py": "python generate.py"}
+    for (name, example), out in zip(examples.items(), scripts([(name, "--help") for name in examples])):
         assert out.returncode == 0 and out.stdout.startswith(f"usage: {name}"), out.stderr[-2000:]
         assert f"{name}: the" in out.stdout and example in out.stdout and "(default: 8)" in out.stdout, out.stdout[:3000]
