@@ -166,17 +166,21 @@ def train_log(run_dir: str) -> str:
     return f"{run_dir}.train.log"
 
 
+def start_train(run_dir: str, args: list) -> subprocess.Popen:
+    """train.py on run_dir with the vLLM model, its output into train_log(run_dir): a file, never a pipe, since a pipe
+    nobody reads fills at 64 KiB (400 quarantine lines) and stops the trainer."""
+    with open(train_log(run_dir), "w") as tlog:
+        return subprocess.Popen([sys.executable, "train.py", "--run_dir", run_dir, "--model", MODEL, *args], cwd=ROOT,
+                                stdout=tlog, stderr=subprocess.STDOUT, text=True)
+
+
 def train_and_generate(run_dir: str, gen_args: list, train_args: list, train: subprocess.Popen | None = None,
                        timeout_s: float = 900) -> str:
-    """generate.py beside train.py (or the `train` already started, writing into train_log) on one run directory, until
-    the trainer is done; the trainer's output. A generator that dies first fails the test at once. The trainer writes
-    into a file, never a pipe: a pipe nobody reads fills at 64 KiB (400 quarantine lines) and stops the trainer."""
+    """generate.py beside train.py (or the `train` already started by start_train) on one run directory, until the
+    trainer is done; the trainer's output. A generator that dies first fails the test at once."""
     common = ["--run_dir", run_dir, "--model", MODEL]
     env = os.environ | VLLM_ENV | {"PYTHONUNBUFFERED": "1"}
-    if train is None:
-        with open(train_log(run_dir), "w") as tlog:
-            train = subprocess.Popen([sys.executable, "train.py", *common, *train_args], cwd=ROOT, stdout=tlog,
-                                     stderr=subprocess.STDOUT, text=True)
+    train = train or start_train(run_dir, train_args)
     log = f"{run_dir}.generate.log"
     with open(log, "wb") as out:
         gen = subprocess.Popen([sys.executable, "generate.py", *common, *gen_args], cwd=ROOT, stdout=out,
@@ -380,10 +384,8 @@ def test_replicas_serving_other_weights_under_the_expected_names_are_caught_befo
     (view / "adapters").mkdir(parents=True)
     base = f"{run_dir}/adapters/policy-{{}}-v000000"  # {} is the run id, known once train.py writes run.json
     later = random_adapter(tmp_path / "other", seed=3) if served == "other" else base
-    with open(train_log(run_dir), "w") as tlog:  # a file, not a pipe: each caught group prints a line
-        train = subprocess.Popen([sys.executable, "train.py", "--run_dir", run_dir, "--model", MODEL, "--max_steps", "3",
-                                  "--groups_per_step", "8", "--loss_type", "grpo", "--eval_every", "100", "--eval_size",
-                                  "20"], cwd=ROOT, stdout=tlog, stderr=subprocess.STDOUT, text=True)
+    train = start_train(run_dir, ["--max_steps", "3", "--groups_per_step", "8", "--loss_type", "grpo", "--eval_every",
+                                  "100", "--eval_size", "20"])  # each caught group prints a line
     honest, stop = [], threading.Event()
 
     def honest_after_the_first_catch():  # the event, not a sleep, decides when the honest generator joins

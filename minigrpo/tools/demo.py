@@ -45,7 +45,7 @@ def supervised_batch(tokenizer, task, rng, size):
     """Prompt + answer + EOS, right-padded, the loss on the answer and EOS only. Half the rows open with a wrong try
     (prompt, wrong answer, EOS), as --max_turns 2 asks again: without them it cannot read a problem after an answer."""
     seqs, labels, eos = [], [], tokenizer.eos_token_id
-    for p in [task.sample(rng) for _ in range(size)]:
+    for p in [task.sample(rng) for _ in range(size)]:  # all problems first: this rng order makes the shipped bytes
         one, head = tokenizer(p.prompt + p.answer)["input_ids"] + [eos], []
         if rng.random() < 0.5:
             wrong = str(rng.randrange(10, 200))
