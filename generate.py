@@ -15,18 +15,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-import torch
-from transformers import AutoTokenizer
-
-from minigrpo.adapters import AdapterStore
-from minigrpo.engine import SamplingParams, TorchEngine
-from minigrpo.lora import inject_lora
-from minigrpo.model import load_model, pick_device, resolve_model, stop_token_ids
-from minigrpo.remote import HttpEngine, ServerError
-from minigrpo.rollouts import Group, RolloutBuffer
-from minigrpo.run import Metrics, RunSettings, join_run, lease_view, parse_config, tracker
-from minigrpo.storage import Storage
-from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
+from minigrpo.run import Metrics, RunSettings, join_run, lease_view, parse_config, tracker  # torch-free
 
 
 @dataclass
@@ -48,6 +37,22 @@ class GenerateConfig:
     lockstep: bool = field(default=False, metadata={"help": "synchronous GRPO (exact with --loss_type grpo)"})
     report_to: Literal["none", "trackio", "wandb"] = field(default="none", metadata={"help": "also log to a tracker"})
     tracker_project: str = field(default="minigrpo", metadata={"help": "--report_to: the tracker's project"})
+
+
+if __name__ == "__main__":  # --help or a bad flag answers here, before torch's imports (3-5 s); main() reads them again
+    parse_config(RunSettings, GenerateConfig)
+
+import torch
+from transformers import AutoTokenizer
+
+from minigrpo.adapters import AdapterStore
+from minigrpo.engine import SamplingParams, TorchEngine
+from minigrpo.lora import inject_lora
+from minigrpo.model import load_model, pick_device, resolve_model, stop_token_ids
+from minigrpo.remote import HttpEngine, ServerError
+from minigrpo.rollouts import Group, RolloutBuffer
+from minigrpo.storage import Storage
+from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
 def waiting_groups(buffer: RolloutBuffer, watch: dict, writer: str, written: int, batch: int) -> tuple[int, dict]:

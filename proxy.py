@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
-from transformers import HfArgumentParser
 
 from minigrpo import protocol as P
 from minigrpo.router import PrefixRouter
+from minigrpo.run import parse_config
 
 
 @dataclass
@@ -127,7 +127,7 @@ class Proxy:
 
 
 def main():
-    cfg, = HfArgumentParser(ProxyConfig).parse_args_into_dataclasses()
+    cfg, = parse_config(ProxyConfig)
     cfg.api_key = cfg.api_key or os.environ.get("MINIGRPO_API_KEY", "")
     if not cfg.api_key and not cfg.no_auth:
         raise SystemExit("set --api_key KEY (or MINIGRPO_API_KEY), or pass --no_auth to run without client auth")

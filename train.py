@@ -20,20 +20,7 @@ from datetime import timedelta
 from functools import partial
 from typing import Literal
 
-import torch
-import torch.distributed as dist
-
-from minigrpo.adapters import AdapterStore
-from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
-from minigrpo.engine import SamplingParams, TorchEngine
-from minigrpo.grpo import LossConfig, advantages, combine_metrics, grpo_loss, zero_std_groups
-from minigrpo.lora import adapter_config, inject_lora, load_lora_state_dict, lora_state_dict
-from minigrpo.model import FLAG_DEVICES, load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
-from minigrpo.packing import Sample, collate, micro_batches
-from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
-from minigrpo.run import Lease, Metrics, RunSettings, create_run, fault, parse_config, tracker
-from minigrpo.storage import Storage
-from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
+from minigrpo.run import Lease, LossConfig, Metrics, RunSettings, create_run, fault, parse_config, tracker  # torch-free
 
 
 @dataclass
@@ -72,6 +59,24 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
     def __post_init__(self):
         super().__post_init__()
         self.tis_cap = 2.0 if self.tis_cap is None and self.old_logp == "recompute" else self.tis_cap
+
+
+if __name__ == "__main__":  # --help or a bad flag answers here, before torch's imports (3-5 s); main() reads them again
+    parse_config(RunSettings, TrainConfig)
+
+import torch
+import torch.distributed as dist
+
+from minigrpo.adapters import AdapterStore
+from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
+from minigrpo.engine import SamplingParams, TorchEngine
+from minigrpo.grpo import advantages, combine_metrics, grpo_loss, zero_std_groups
+from minigrpo.lora import adapter_config, inject_lora, load_lora_state_dict, lora_state_dict
+from minigrpo.model import FLAG_DEVICES, load_model, packed_logprobs, pick_device, resolve_model, stop_token_ids
+from minigrpo.packing import Sample, collate, micro_batches
+from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
+from minigrpo.storage import Storage
+from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats):

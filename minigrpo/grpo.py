@@ -16,10 +16,12 @@ Off-policy health over the sampled tokens, v = pi_theta / mu (mu: the sampler; s
     health/mismatch_kl      mean((v - 1) - log v)     k3 estimate of KL(mu || pi_theta): 0 when they agree
     health/far_frac         share of |log v| > ln 2   tokens whose probability differs by more than 2x"""
 import math
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
+
+from minigrpo.run import LossConfig
+
 
 def advantages(rewards: torch.Tensor, G: int, scale_rewards: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """rewards (N*G,) in group order -> advantages (N*G,). Zero-std groups get exactly 0, never NaN."""
@@ -33,17 +35,6 @@ def advantages(rewards: torch.Tensor, G: int, scale_rewards: bool = True, eps: f
 def zero_std_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
     """(N,) bool: which groups have all-equal rewards (no learning signal; DAPO drops them)."""
     return (rewards.view(-1, G) == rewards.view(-1, G)[:, :1]).all(1)
-
-
-@dataclass
-class LossConfig:  # the loss's settings; train.py's TrainConfig extends this class, so each is also a flag of train.py
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = field(default="dapo", metadata={"help": "see minigrpo/grpo.py"})
-    eps_low: float = field(default=0.2, metadata={"help": "clip the ratio below at 1 - eps_low"})
-    eps_high: float | None = field(default=None, metadata={"help": "clip above at 1 + eps_high (dapo: 0.28, else eps_low)"})
-    tis_cap: float | None = field(default=None, metadata={"help": "truncated IS cap on pi_old/mu (2 if --old_logp recompute)"})
-
-    def __post_init__(self):  # eps_high's default: DAPO's clip-higher for dapo, else a symmetric clip
-        self.eps_high = (0.28 if self.loss_type == "dapo" else self.eps_low) if self.eps_high is None else self.eps_high
 
 
 @dataclass

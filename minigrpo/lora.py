@@ -10,9 +10,10 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load, save
 
+from minigrpo.run import DEFAULT_TARGETS
 from minigrpo.storage import read_bytes
 
-DEFAULT_TARGETS, PEFT_PREFIX = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), "base_model.model."
+PEFT_PREFIX = "base_model.model."
 
 
 class LoRALinear(nn.Module):  # wraps a frozen nn.Linear; lora_A is (r, in), lora_B is (out, r), as PEFT stores them

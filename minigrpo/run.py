@@ -1,5 +1,5 @@
-"""The run: the settings every process must agree on (RUN/run.json), the trainer's lease (RUN/owner.json), the
-metrics records (RUN/metrics/) and the fault points the crash tests use. All of it goes through storage.py."""
+"""The run: the flags (read without torch: --help answers at once), the settings every process must agree on
+(RUN/run.json), the trainer's lease (RUN/owner.json), the metrics (RUN/metrics/) and the crash tests' fault points."""
 import argparse
 import contextlib
 import json
@@ -11,12 +11,10 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
-from typing import Literal
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Literal, get_args, get_origin
 
-from transformers import HfArgumentParser
-
-from minigrpo.lora import DEFAULT_TARGETS
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA's layers
 
 
 @dataclass
@@ -48,16 +46,36 @@ class RunSettings:  # shared by the trainer and every generator: written once to
         return trainer_version - policy_version <= self.max_staleness
 
 
+@dataclass
+class LossConfig:  # the loss's settings (minigrpo/grpo.py); train.py's TrainConfig extends it, so each is a flag of train.py
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = field(default="dapo", metadata={"help": "see minigrpo/grpo.py"})
+    eps_low: float = field(default=0.2, metadata={"help": "clip the ratio below at 1 - eps_low"})
+    eps_high: float | None = field(default=None, metadata={"help": "clip above at 1 + eps_high (dapo: 0.28, else eps_low)"})
+    tis_cap: float | None = field(default=None, metadata={"help": "truncated IS cap on pi_old/mu (2 if --old_logp recompute)"})
+
+    def __post_init__(self):  # eps_high's default: DAPO's clip-higher for dapo, else a symmetric clip
+        self.eps_high = (0.28 if self.loss_type == "dapo" else self.eps_low) if self.eps_high is None else self.eps_high
+
+
 class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """--help: the script's docstring (its example commands) as written, then every flag with its default."""
 
 
-def parse_config(*types, argv=None):  # the flags, one dataclass each; an unknown flag: one line (exit 2), no traceback
-    parser = HfArgumentParser(types, description=sys.modules["__main__"].__doc__, formatter_class=HelpFormat)
-    *configs, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
-    if unknown:
-        parser.exit(2, f"{parser.prog}: unrecognized arguments: {' '.join(unknown)} (--help lists the flags)\n")
-    return configs
+def parse_config(*types, argv=None):  # the flags, one dataclass each; a bad flag or value: one line (exit 2), no usage
+    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__, formatter_class=HelpFormat)
+    parser.error = lambda message: parser.exit(2, f"{parser.prog}: {message} (--help lists the flags)\n")
+    for f in [f for t in types for f in fields(t)]:  # each field a flag of its type; metadata: help (and argparse's own)
+        kind = get_args(f.type)[0] if type(None) in get_args(f.type) else f.type  # float | None: a float
+        how = {"choices": get_args(kind)} if get_origin(kind) is Literal else {"nargs": "+"} if get_origin(kind) is list \
+            else {"nargs": "?", "const": True, "type": boolean} if kind is bool else {"type": kind}
+        default = f.default if f.default_factory is MISSING else f.default_factory()
+        parser.add_argument(f"--{f.name}", **{"required": True} if default is MISSING else {"default": default}, **how, **f.metadata)
+    args = parser.parse_args(argv)
+    return [t(**{f.name: getattr(args, f.name) for f in fields(t)}) for t in types]
+
+
+def boolean(text: str) -> bool:  # --flag alone is true; also --flag true | false (yes | no, 1 | 0)
+    return ("false", "no", "0", "true", "yes", "1").index(text.lower()) >= 3
 
 
 FAULTS = [f.split(":") for f in os.environ.get("MINIGRPO_FAULT", "").split(",") if f]  # for the crash tests; read once

@@ -157,3 +157,16 @@ def test_help_shows_the_scripts_description_and_example_commands():
     for (name, example), out in zip(examples.items(), scripts([(name, "--help") for name in examples])):
         assert out.returncode == 0 and out.stdout.startswith(f"usage: {name}"), out.stderr[-2000:]
         assert f"{name}: the" in out.stdout and example in out.stdout and "(default: 8)" in out.stdout, out.stdout[:3000]
+
+
+
+def test_help_and_a_bad_value_answer_before_torch_loads():
+    """The flags are read before torch and transformers load (3-5 s on this CPU): --help and a typo answer at once."""
+    probe = "import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n" \
+            "finally:\n    print('loaded:', sorted({'torch', 'transformers'} & sys.modules.keys()))"
+    calls = [(name, *flags) for name in ("train.py", "generate.py", "proxy.py") for flags in (["--help"], ["--port", "x"])]
+    for (name, *flags), out in zip(calls, scripts([("-c", probe, *call) for call in calls])):
+        assert out.returncode == (0 if flags == ["--help"] else 2), out.stderr[-2000:]
+        assert out.stdout.strip().endswith("loaded: []"), (name, flags, out.stdout[-500:])
+        assert flags == ["--help"] or out.stderr.strip() in (f"{name}: unrecognized arguments: --port x (--help lists the flags)",
+                                                             f"{name}: argument --port: invalid int value: 'x' (--help lists the flags)")
