@@ -6,8 +6,9 @@ folder and on a real S3 server (moto's server mode, on loopback), in turns, --re
     python bench/bench_bucket.py --root /tmp/new ...                            # run another checkout (a snapshot)
     python bench/bench_bucket.py --profile --steps 40                          # where a bucket step's time goes
 
---profile runs the bucket demo once with moto's request log, counts the requests per training step by kind, and times
-single requests (a 6 kB PUT and GET, a listing) one after another: bench/results/bucket_profile.json.
+--profile runs the bucket demo once with moto's request log, counts the requests per training step by kind and the
+CPU moto spent, and times single requests (a PUT and a GET of 6 kB, one group, and of 48 kB, eight groups, and a
+listing) one after another, with the CPU each costs moto and the client: bench/results/bucket_profile.json.
 
 Reported per target: the wall time of the whole run, the mean step time (evaluation left out) over the first 50 steps
 and over the last 50, and the mean rollout wait; then each bucket target's ratio to the folder run of the same turn.
@@ -78,6 +79,13 @@ def summary(runs: list[dict]) -> dict:
     return out
 
 
+def cpu_s(pid: int | None = None) -> float:  # user + system CPU seconds of a process (default: this one), Linux's /proc
+    if pid is None:
+        return os.times().user + os.times().system
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def profile(steps: int):
     """One bucket demo with moto's request log: requests per step by kind; then single requests, timed."""
     import re
@@ -89,31 +97,36 @@ def profile(steps: int):
             os.environ.update(env)
             import boto3
             boto3.client("s3").create_bucket(Bucket="bench-profile")
+            moto_cpu = cpu_s(moto.pid)
             timing = demo(str(ROOT), "s3://bench-profile/run", steps, env)
+            moto_cpu = cpu_s(moto.pid) - moto_cpu
             counts = {}
             for method, path in re.findall(r'"(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP', open(f"{tmp}/moto.log").read()):
                 key = path.split("?")[0].removeprefix("/bench-profile").removeprefix("/run").strip("/")
                 kind = "a listing" if "list-type" in path else "delete (batched)" if method == "POST" else \
                     f"{method} {key.split('/')[0] + ('/*' if '/' in key else '')}"
                 counts[kind] = counts.get(kind, 0) + 1
-            store, data, timed = Storage("s3://bench-profile/timing"), os.urandom(6000), {}
-            for what, call in [("PUT 6 kB", lambda i: store.put(f"x/{i}", data)),
-                               ("GET 6 kB", lambda i: store.get(f"x/{i}")), ("list 50 names", lambda i: store.list("x"))]:
-                times = []
+            store, small, big, timed = Storage("s3://bench-profile/timing"), os.urandom(6000), os.urandom(48000), {}
+            for what, call in [("PUT 6 kB", lambda i: store.put(f"x/{i}", small)), ("GET 6 kB", lambda i: store.get(f"x/{i}")),
+                               ("PUT 48 kB", lambda i: store.put(f"y/{i}", big)), ("GET 48 kB", lambda i: store.get(f"y/{i}")),
+                               ("list 50 names", lambda i: store.list("x"))]:
+                times, cpu = [], (cpu_s(moto.pid), cpu_s())
                 for i in range(50):
                     t0 = time.perf_counter()
                     call(i)
                     times.append(time.perf_counter() - t0)
-                timed[what] = f"{statistics.median(times) * 1000:.1f} ms (min {min(times) * 1000:.1f})"
+                timed[what] = f"{statistics.median(times) * 1000:.1f} ms (min {min(times) * 1000:.1f}); CPU " \
+                              f"{(cpu_s(moto.pid) - cpu[0]) * 20:.1f} ms moto, {(cpu_s() - cpu[1]) * 20:.1f} ms client"
         finally:
             moto.kill()
     rows = [{"requests": k, "per step": round(v / steps, 1)} for k, v in sorted(counts.items(), key=lambda kv: -kv[1])
             if v / steps >= 0.1]  # the rest: the run's start and end
     rows += [{"requests": "all", "per step": round(sum(counts.values()) / steps, 1)}]
     rows += [{"requests": f"the run's mean {k}", "per step": f"{timing[k]:.2f} s"} for k in ("step_s_1_50", "wait_s")]
+    rows += [{"requests": "moto's CPU over the run", "per step": f"{moto_cpu / steps:.2f} s ({moto_cpu / timing['wall_s']:.0%} of a core)"}]
     rows += [{"requests": f"one {k}, alone", "per step": v} for k, v in timed.items()]
     report("bucket_profile", rows, notes=f"python bench/bench_bucket.py --profile --steps {steps}: requests moto logged "
-           "during the run, over its steps; then single requests one after another, median of 50")
+           "during the run, over its steps; then single requests one after another, median of 50 (CPU: their mean)")
 
 
 if __name__ == "__main__":
