@@ -6,6 +6,11 @@ Asynchrony pays only where generation is a large share of the work, so the bench
 completions: a higher sampling temperature makes the demo model stop later, and max_new_tokens caps the length.
 The share is measured in the one-process loop (sampling seconds / (sampling + training seconds)).
 
+All arms run train.py's defaults, so the one-process loop also does what the dapo loss needs: it drops a group whose
+rewards are all equal and samples again until it has a step's groups, as train.py does. It does not audit groups:
+in one process the sampler's weights are known. The pair audits every group under the weights of the version it
+names (train.py's --policy_check_tol); the arm "async, no audit" turns that off, to show what it costs.
+
     python bench/bench_async.py            # ~15 minutes on a 2-core CPU
 """
 import json
@@ -35,7 +40,7 @@ POINTS = [dict(temperature=1.0, max_new_tokens=8), dict(temperature=2.0, max_new
           dict(temperature=3.0, max_new_tokens=96)]
 
 
-def two_process(mode: str, point: dict) -> float:
+def two_process(mode: str, point: dict, train_flags=()) -> float:
     """Seconds of the trainer's first STEPS - 1 steps, as train.py logs them (the last step also evaluates)."""
     run_dir = tempfile.mkdtemp(prefix=f"bench-{mode}-")
     flags = [f"--{k}={v}" for k, v in point.items()]
@@ -43,7 +48,7 @@ def two_process(mode: str, point: dict) -> float:
                             "--prompts_per_batch", str(PROMPTS), *flags, *(["--lockstep"] if mode == "lockstep" else [])],
                            cwd=ROOT, stdout=subprocess.DEVNULL)
     subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", str(STEPS), "--eval_every",
-                    str(STEPS), "--groups_per_step", str(PROMPTS), "--seed", "0", *flags], cwd=ROOT, check=True,
+                    str(STEPS), "--groups_per_step", str(PROMPTS), "--seed", "0", *flags, *train_flags], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL)
     gen.wait()
     train = read_records(Storage(run_dir), "train")
@@ -64,16 +69,20 @@ def one_process(point: dict) -> dict:
     sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
     task, gen_s, train_s, t0 = make_task(run), 0.0, 0.0, time.time()
     for _ in range(STEPS - 1):
-        t1 = time.time()
-        problems = [task.sample(rng) for _ in range(PROMPTS)]
-        prompts = [prompt_ids(tokenizer, p.prompt, run.system_prompt) for p in problems]
-        completions = engine.generate(prompts, sampling)
-        groups = [Group(prompt, [c.token_ids for c in g], [c.logprobs for c in g], r, [c.finish_reason == "length" for c in g],
-                        0, run.temperature) for prompt, g, r in zip(prompts, completions, score(task, tokenizer, problems, completions))]
+        groups = []
+        while len(groups) < PROMPTS:  # dapo: a group whose rewards are all equal has no signal; sample another
+            t1 = time.time()
+            problems = [task.sample(rng) for _ in range(PROMPTS - len(groups))]
+            prompts = [prompt_ids(tokenizer, p.prompt, run.system_prompt) for p in problems]
+            completions = engine.generate(prompts, sampling)
+            groups += [Group(prompt, [c.token_ids for c in g], [c.logprobs for c in g], r, [c.finish_reason == "length" for c in g],
+                             0, run.temperature) for prompt, g, r in zip(prompts, completions, score(task, tokenizer, problems, completions))
+                       if cfg.loss_type != "dapo" or len(set(r)) > 1]
+            gen_s += time.time() - t1
         t2 = time.time()
         samples, _, _ = build_samples(groups, run, cfg)
         train_step(model, optimizer, samples, run, cfg, torch.device("cpu"))
-        gen_s, train_s = gen_s + t2 - t1, train_s + time.time() - t2
+        train_s += time.time() - t2
     return {"time_s": time.time() - t0, "gen_share": gen_s / (gen_s + train_s)}
 
 
@@ -83,10 +92,11 @@ if __name__ == "__main__":
         sys.exit()
     rows = []
     for point in POINTS:
-        t = {"async": [], "lockstep, 2 processes": [], "lockstep, 1 process": []}
+        t = {"async": [], "async, no audit": [], "lockstep, 2 processes": [], "lockstep, 1 process": []}
         share = []
         for _ in range(REPEATS):  # interleaved, so background load hits every arm alike
             t["async"].append(two_process("async", point))
+            t["async, no audit"].append(two_process("async", point, ["--policy_check_tol", "0"]))
             t["lockstep, 2 processes"].append(two_process("lockstep", point))
             out = subprocess.run([sys.executable, __file__, "--one_process", json.dumps(point)], capture_output=True,
                                  text=True, check=True)
@@ -94,10 +104,11 @@ if __name__ == "__main__":
             t["lockstep, 1 process"].append(one["time_s"])
             share.append(one["gen_share"])
             print(point, {k: round(v[-1], 1) for k, v in t.items()}, f"generation share {share[-1]:.2f}", flush=True)
-        for base in ("lockstep, 1 process", "lockstep, 2 processes"):
-            ratio = [a / b for a, b in zip(t["async"], t[base])]
-            rows.append({**point, "gen_share": statistics.mean(share), "baseline": base,
-                         "async_s": statistics.mean(t["async"]), "baseline_s": statistics.mean(t[base]),
+        for arm, base in [("async", "lockstep, 1 process"), ("async, no audit", "lockstep, 1 process"),
+                          ("async", "lockstep, 2 processes")]:
+            ratio = [a / b for a, b in zip(t[arm], t[base])]
+            rows.append({**point, "gen_share": statistics.mean(share), "arm": arm, "baseline": base,
+                         "async_s": statistics.mean(t[arm]), "baseline_s": statistics.mean(t[base]),
                          "async/baseline": statistics.mean(ratio), "sd": statistics.stdev(ratio),
                          "min": min(ratio), "max": max(ratio)})
     report("async_vs_lockstep", rows, f"{STEPS} steps of {PROMPTS} groups, {REPEATS} interleaved repeats; target <= 0.6 "
