@@ -7,11 +7,12 @@ completions: a higher sampling temperature makes the demo model stop later, and 
 The share is measured in the one-process loop (sampling seconds / (sampling + training seconds)).
 
 All arms run train.py's defaults, so the one-process loop also does what the dapo loss needs: it drops a group whose
-rewards are all equal and samples again until it has a step's groups, as train.py does. It does not audit groups:
+rewards are all equal and samples another whole batch until it has a step's groups, keeping the rest for the next
+step, as generate.py and train.py do together. It does not audit groups:
 in one process the sampler's weights are known. The pair audits every group under the weights of the version it
 names (train.py's --policy_check_tol); the arm "async, no audit" turns that off, to show what it costs.
 
-    python bench/bench_async.py            # ~15 minutes on a 2-core CPU
+    python bench/bench_async.py            # ~8 minutes on a 2-core CPU
 """
 import json
 import os
@@ -68,18 +69,18 @@ def one_process(point: dict) -> dict:
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, rng.getrandbits(63))
     sampling = SamplingParams(n=run.group_size, max_tokens=run.max_new_tokens, temperature=run.temperature)
     task, gen_s, train_s, t0 = make_task(run), 0.0, 0.0, time.time()
+    waiting = []  # groups sampled but not trained yet, as generate.py leaves them in the run directory
     for _ in range(STEPS - 1):
-        groups = []
-        while len(groups) < PROMPTS:  # dapo: a group whose rewards are all equal has no signal; sample another
+        while len(waiting) < PROMPTS:  # whole batches, as generate.py samples them; dapo: keep groups with a signal
             t1 = time.time()
-            problems = [task.sample(rng) for _ in range(PROMPTS - len(groups))]
+            problems = [task.sample(rng) for _ in range(PROMPTS)]
             prompts = [prompt_ids(tokenizer, p.prompt, run.system_prompt) for p in problems]
             completions = engine.generate(prompts, sampling)
-            groups += [Group(prompt, [c.token_ids for c in g], [c.logprobs for c in g], r, [c.finish_reason == "length" for c in g],
-                             0, run.temperature) for prompt, g, r in zip(prompts, completions, score(task, tokenizer, problems, completions))
-                       if cfg.loss_type != "dapo" or len(set(r)) > 1]
+            waiting += [Group(prompt, [c.token_ids for c in g], [c.logprobs for c in g], r, [c.finish_reason == "length" for c in g],
+                              0, run.temperature) for prompt, g, r in zip(prompts, completions, score(task, tokenizer, problems, completions))
+                        if cfg.loss_type != "dapo" or len(set(r)) > 1]
             gen_s += time.time() - t1
-        t2 = time.time()
+        t2, groups, waiting = time.time(), waiting[:PROMPTS], waiting[PROMPTS:]
         samples, _, _ = build_samples(groups, run, cfg)
         train_step(model, optimizer, samples, run, cfg, torch.device("cpu"))
         train_s += time.time() - t2

@@ -110,13 +110,13 @@ def profile(steps: int):
             for what, call in [("PUT 6 kB", lambda i: store.put(f"x/{i}", small)), ("GET 6 kB", lambda i: store.get(f"x/{i}")),
                                ("PUT 48 kB", lambda i: store.put(f"y/{i}", big)), ("GET 48 kB", lambda i: store.get(f"y/{i}")),
                                ("list 50 names", lambda i: store.list("x"))]:
-                times, cpu = [], (cpu_s(moto.pid), cpu_s())
-                for i in range(50):
+                times, cpu, n = [], (cpu_s(moto.pid), cpu_s()), 50
+                for i in range(n):
                     t0 = time.perf_counter()
                     call(i)
                     times.append(time.perf_counter() - t0)
                 timed[what] = f"{statistics.median(times) * 1000:.1f} ms (min {min(times) * 1000:.1f}); CPU " \
-                              f"{(cpu_s(moto.pid) - cpu[0]) * 20:.1f} ms moto, {(cpu_s() - cpu[1]) * 20:.1f} ms client"
+                              f"{(cpu_s(moto.pid) - cpu[0]) * 1000 / n:.1f} ms moto, {(cpu_s() - cpu[1]) * 1000 / n:.1f} ms client"
         finally:
             moto.kill()
     rows = [{"requests": k, "per step": round(v / steps, 1)} for k, v in sorted(counts.items(), key=lambda kv: -kv[1])

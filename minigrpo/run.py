@@ -64,18 +64,19 @@ class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
 def parse_config(*types, argv=None):  # the flags, one dataclass each; a bad flag or value: one line (exit 2), no usage
     parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__, formatter_class=HelpFormat)
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: {message} (--help lists the flags)\n")
-    for f in [f for t in types for f in fields(t)]:  # each field a flag of its type; metadata: help (and argparse's own)
+    for f in [f for t in types for f in fields(t)]:  # str, int, float, bool, X | None, Literal or list[str]; metadata: help
         kind = get_args(f.type)[0] if type(None) in get_args(f.type) else f.type  # float | None: a float
         how = {"choices": get_args(kind)} if get_origin(kind) is Literal else {"nargs": "+"} if get_origin(kind) is list \
             else {"nargs": "?", "const": True, "type": boolean} if kind is bool else {"type": kind}
         default = f.default if f.default_factory is MISSING else f.default_factory()
-        parser.add_argument(f"--{f.name}", **{"required": True} if default is MISSING else {"default": default}, **how, **f.metadata)
+        names = dict.fromkeys([f"--{f.name}", f"--{f.name.replace('_', '-')}"])  # --run_dir, or --run-dir as vLLM spells it
+        parser.add_argument(*names, **{"required": True} if default is MISSING else {"default": default}, **how, **f.metadata)
     args = parser.parse_args(argv)
     return [t(**{f.name: getattr(args, f.name) for f in fields(t)}) for t in types]
 
 
-def boolean(text: str) -> bool:  # --flag alone is true; also --flag true | false (yes | no, 1 | 0)
-    return ("false", "no", "0", "true", "yes", "1").index(text.lower()) >= 3
+def boolean(text: str) -> bool:  # --flag alone is true; --flag false (or no, n, f, 0), true (yes, y, t, 1); else ValueError
+    return ("false", "no", "n", "f", "0", "true", "yes", "y", "t", "1").index(text.lower()) >= 5
 
 
 FAULTS = [f.split(":") for f in os.environ.get("MINIGRPO_FAULT", "").split(",") if f]  # for the crash tests; read once

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 from aiohttp import web
-from transformers import HfArgumentParser
 
 from minigrpo import protocol as P
 from minigrpo.lora import DEFAULT_TARGETS, inject_lora
 from minigrpo.model import load_model, pick_device, resolve_model, stop_token_ids
 from minigrpo.replica.sampling import ServerEngine, ServerParams
 from minigrpo.replica.scheduler import Adapter, Scheduler
+from minigrpo.run import parse_config
 
 VERSION = "0.33.0+minigrpo"  # the vLLM API this server answers like
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for --max-lora-rank
@@ -333,7 +333,7 @@ class Server:
 
 
 def main():
-    cfg, = HfArgumentParser(ServeConfig).parse_args_into_dataclasses()
+    cfg, = parse_config(ServeConfig)
     torch.set_num_threads(cfg.threads)
     server = Server(cfg)
 
