@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from common import report  # noqa: E402
+from common import cpu_s, report  # noqa: E402
 from conftest import free_port, train_records  # noqa: E402
 
 
@@ -77,13 +77,6 @@ def summary(runs: list[dict]) -> dict:
         values = [r[k] for r in runs]
         out[k] = f"{statistics.mean(values):.2f} ± {statistics.stdev(values) if len(values) > 1 else 0:.2f}"
     return out
-
-
-def cpu_s(pid: int | None = None) -> float:  # user + system CPU seconds of a process (default: this one), Linux's /proc
-    if pid is None:
-        return os.times().user + os.times().system
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def profile(steps: int):

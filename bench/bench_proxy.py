@@ -16,7 +16,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from common import ROOT, report
+from common import ROOT, cpu_s, report
 
 BODY = json.dumps({"id": "cmpl-x", "object": "text_completion", "model": "m", "choices": [
     {"index": 0, "text": "64", "token_ids": [7, 5, 0], "logprobs": {"token_logprobs": [-0.1, -0.2, -0.01]},
@@ -60,13 +60,6 @@ def wait_healthy(url):
         except OSError:
             time.sleep(0.1)
     raise RuntimeError(f"{url} did not come up")
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (/proc/PID/stat fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

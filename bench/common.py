@@ -37,6 +37,13 @@ def timed_together(fns: dict, iters: int = 5, warmup: int = 1) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def cpu_s(pid: "int | str" = "self") -> float:
+    """User + system CPU seconds of a process so far, this one by default (/proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def report(name: str, rows: list[dict], notes: str = "", extra: dict | None = None) -> str:
     """Print rows as a table and write them to bench/results/<name>.json (with `extra`, e.g. per-run data)."""
     keys = list(dict.fromkeys(k for r in rows for k in r))
