@@ -4,10 +4,9 @@ import os
 
 import torch
 from torch.nn.attention.bias import causal_lower_right
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, logging as hf_logging
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.utils import logging as hf_logging
 
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
 

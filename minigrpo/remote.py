@@ -5,7 +5,6 @@ import atexit
 import itertools
 import json
 import os
-import time
 
 import aiohttp
 
@@ -34,7 +33,7 @@ class HttpEngine:
 
     async def _call(self, method: str, path: str, body=None) -> tuple[int, str]:
         """(status, text), retrying transport errors and 5xx for up to retry_s: a starting or restarting server."""
-        deadline, last = time.monotonic() + self.retry_s, None
+        deadline, last = self.loop.time() + self.retry_s, None
         for attempt in itertools.count():
             try:
                 async with self.session.request(method, self.url + path, json=body) as resp:
@@ -46,7 +45,7 @@ class HttpEngine:
                     last = f"{resp.status} {text[:300]}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 last = f"{type(e).__name__}: {e}"
-            if time.monotonic() > deadline:
+            if self.loop.time() > deadline:
                 raise ServerError(f"{method} {self.url}{path} failed for {self.retry_s:.0f}s; last: {last}")
             if attempt == 3:
                 print(f"{method} {self.url}{path}: {last}; retrying for up to {self.retry_s:.0f}s", flush=True)

@@ -7,7 +7,6 @@ import os
 import shutil
 import stat
 import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
@@ -39,16 +38,15 @@ class Storage:
     def put(self, key: str, data: bytes | str, create: bool = False):  # never seen half; create: if absent, else FileExistsError
         self.put_many({key: data}, create)
 
-    def put_many(self, objects: "dict[str, bytes | str]", create: bool = False):  # concurrently on a bucket
+    def put_many(self, objects: "dict[str, bytes | str]", create: bool = False):  # concurrently on a bucket, unless create
         objects = {k: d.encode(errors="surrogateescape") if isinstance(d, str) else d for k, d in objects.items()}
         if not self.local:
             with self._naming("write", next(iter(objects), "")):
                 if create:  # If-None-Match on S3, elsewhere a look first (a hard link on a local disk, below)
-                    with ThreadPoolExecutor(16) as pool:
-                        return list(pool.map(lambda k: self.fs.pipe_file(f"{self.root}/{k}", objects[k], mode="create"), objects))
+                    return [self.fs.pipe_file(f"{self.root}/{k}", data, mode="create") for k, data in objects.items()]
                 return self.fs.pipe({f"{self.root}/{k}": v for k, v in objects.items()})
         for key, data in objects.items():
-            tmp = os.path.join(os.path.dirname(f"{self.root}/{key}"), f".{uuid.uuid4().hex[:12]}.tmp")
+            tmp = os.path.join(os.path.dirname(f"{self.root}/{key}"), f".{os.urandom(6).hex()}.tmp")
             with self._naming("write", key):
                 os.makedirs(os.path.dirname(tmp), exist_ok=True)  # a short tmp name: the key's may be as long as a name can be
                 try:

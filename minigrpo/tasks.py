@@ -19,8 +19,14 @@ from minigrpo.engine import SamplingParams
 Problem = collections.namedtuple("Problem", "prompt answer")
 
 
-class Task:  # what every task shares: its side of a conversation (--max_turns above 1, which make_task sets)
+class Task:  # what every task shares: its problem sets, its side of a conversation (--max_turns above 1, which make_task sets)
     max_turns = 1
+
+    def sample(self, rng: random.Random) -> Problem:
+        return rng.choice(self.train_set)
+
+    def eval_problems(self, n: int) -> list[Problem]:
+        return self.eval_set[:n]
 
     def reset(self, problem: Problem) -> list[str]:  # the conversation's opening: user, assistant, user, ... texts
         return [problem.prompt]
@@ -38,16 +44,11 @@ class ReverseAddition(Task):
         pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
         random.Random(0).shuffle(pairs)  # a random split: every digit combination appears on both sides
         self.eval_pairs, self.train_pairs = pairs[:810], pairs[810:]  # 10% the trainer never sees
+        self.eval_set, self.train_set = [self.problem(*p) for p in pairs[:810]], [self.problem(*p) for p in pairs[810:]]
 
     @staticmethod
     def problem(a: int, b: int) -> Problem:
         return Problem(prompt=f"{a}+{b}=", answer=str(a + b)[::-1])
-
-    def sample(self, rng: random.Random) -> Problem:
-        return self.problem(*rng.choice(self.train_pairs))
-
-    def eval_problems(self, n: int) -> list[Problem]:
-        return [self.problem(a, b) for a, b in self.eval_pairs[:n]]
 
     def reward(self, completion: str, answer: str) -> float:
         return float(completion.strip() == answer)
@@ -90,8 +91,7 @@ def json_line(path: str, i: int, line: bytes) -> dict:  # one row of a JSON Line
 
 
 class MathTask(Task):
-    def __init__(self, data: str, fields: str = "problem,answer", reasoning: bool = False, answer_format: str = "boxed",
-                 eval_fraction: float = 0.05):
+    def __init__(self, data: str, fields: str = "problem,answer", reasoning: bool = False, answer_format: str = "boxed"):
         self.answer_format, self.grader = answer_format, f"math-verify {importlib.metadata.version('math-verify')}, {answer_format}"
         if not data:
             raise SystemExit("--task math needs --task_data: a .jsonl or .parquet file, or hf://datasets/OWNER/NAME/FILE")
@@ -110,14 +110,8 @@ class MathTask(Task):
                              f"(it has {sorted(rows[bad[0]])}); set --task_fields PROBLEM,ANSWER")
         problems = [Problem(str(r[problem_key]), str(r[answer_key])) for r in rows]
         random.Random(0).shuffle(problems)
-        n_eval = max(1, int(len(problems) * eval_fraction))
+        n_eval = max(1, int(len(problems) * 0.05))  # 5% held out
         self.eval_set, self.train_set, self.reasoning = problems[:n_eval], problems[n_eval:] or problems, reasoning
-
-    def sample(self, rng: random.Random) -> Problem:
-        return rng.choice(self.train_set)
-
-    def eval_problems(self, n: int) -> list[Problem]:
-        return self.eval_set[:n]
 
     def reward(self, completion: str, answer: str) -> float:
         return math_reward(completion, answer, self.reasoning, self.answer_format)
