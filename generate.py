@@ -1,5 +1,5 @@
 """generate.py: the generation side. Samples G completions per prompt with the adapter RUN/adapters/LATEST names,
-scores them and writes each group whole into RUN/rollouts/. It shares only the run directory: run any number, anywhere.
+scores them and writes each batch of groups as one object into RUN/rollouts/. It shares only the run directory: run any number, anywhere.
 
     python generate.py & python train.py                                  # the demo, one CPU machine
     python generate.py --run_dir s3://bucket/run1 --device cuda:0         # one generator per GPU, any machine
@@ -56,10 +56,10 @@ from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
 def waiting_groups(buffer: RolloutBuffer, watch: dict, writer: str, written: int, batch: int) -> tuple[int, dict]:
-    """(groups waiting once this generator writes its next batch, so that N generators together stay within
-    --max_ready; the lease). A live lease (changed within its timeout) says what waited at the trainer's last listing,
-    each writer's last group it listed, the N writers, each taking 1/N of the room; 0 while the trainer wants more.
-    Else, or before the trainer saw this generator's groups: the listing of rollouts/, each writer adding a batch.
+    """(groups waiting once this generator writes its next batch, so that N generators stay within --max_ready; the
+    lease). A live lease (changed within its timeout) says what waited at the trainer's last listing, each writer's last
+    object (a batch) it listed, the N writers, each taking 1/N of the room; 0 while the trainer wants more. Else, or
+    before the trainer saw this generator's objects, the listing of rollouts/ (written: this generator's objects).
     watch: the lease's last bytes, since when (this process's clock) they have not changed, and whether that is live."""
     raw = None
     with contextlib.suppress(FileNotFoundError, ValueError):
@@ -69,10 +69,10 @@ def waiting_groups(buffer: RolloutBuffer, watch: dict, writer: str, written: int
     watch["live"] = raw is not None and time.monotonic() - watch["since"] <= lease["timeout_s"]  # a trainer runs the run
     unseen, n = written - 1 - lease["seen"].get(writer, -1), lease["writers"] + (writer not in lease["seen"])
     if not watch["live"] or lease["waiting"] < 0 or unseen and writer not in lease["seen"]:
-        listed = buffer.listed()  # consumed groups too, until garbage collection: it errs on the safe side
-        n = len({gid.rsplit("-", 1)[0] for gid in listed} | {writer})
-        return 0 if len(listed) < lease["groups_per_step"] else len(listed) + n * batch, lease
-    return 0 if not unseen and lease["waiting"] < lease["groups_per_step"] else lease["waiting"] + n * (unseen + batch), lease
+        listed = buffer.listed()  # consumed objects too, until garbage collection: it errs on the safe side
+        n = len({oid.rsplit("-", 1)[0] for oid in listed} | {writer})
+        return 0 if len(listed) * batch < lease["groups_per_step"] else (len(listed) + n) * batch, lease
+    return 0 if not unseen and lease["waiting"] < lease["groups_per_step"] else lease["waiting"] + n * (unseen + 1) * batch, lease
 
 
 def main():
@@ -105,9 +105,9 @@ def main():
     if meta.get("grader") and meta["grader"] != task.grader:  # rewards from two graders would mix in one run
         raise SystemExit(f"this generator grades with {task.grader}, the run with {meta['grader']}: install the same")
     watch = {"raw": None, "since": time.monotonic()}  # while the lease is live, no look for DONE (2 requests on S3)
-    batch, written, idle_since, skipped, made = 0, 0, time.time(), set(), {}  # made: groups sampled per version
+    batch, idle_since, skipped, made = 0, time.time(), set(), {}  # made: groups sampled per version
     while (not cfg.max_batches or batch < cfg.max_batches) and (watch.get("live") or not storage.exists("DONE")):
-        waiting, lease = waiting_groups(buffer, watch, writer, written, cfg.prompts_per_batch)
+        waiting, lease = waiting_groups(buffer, watch, writer, batch, cfg.prompts_per_batch)
         if waiting > cfg.max_ready or (cfg.lockstep and made.get(engine.version, 0) >= lease["groups_per_step"]
                                        and (store.latest() or 0) <= engine.version):
             time.sleep(poll_s)  # > --max_ready would wait, or (lock-step) this version made a step's groups
@@ -133,8 +133,8 @@ def main():
             rewards=r, behavior_logprobs=[c.logprobs for c in group], truncated=[c.finish_reason == "length" for c in group],
             policy_version=version, temperature=run.temperature, adapter_digest=group[0].adapter_digest, started_at=started,
             finished_at=time.time(), grader=task.grader) for prompt, group, r in zip(prompts, completions, rewards)]
-        written, batch = written + len(buffer.write(groups, writer, seq=written)), batch + 1
-        made[version] = made.get(version, 0) + len(prompts)
+        buffer.write(groups, writer, seq=batch)  # one object: rollouts/<writer>-<batch>.safetensors
+        batch, made[version] = batch + 1, made.get(version, 0) + len(prompts)
 
         n_tok, flat = sum(sum(c.mask) for g in completions for c in g), [x for r in rewards for x in r]  # sampled
         record = {"batch": batch, "generator": gen_id, "policy_version": version, "reward/mean": sum(flat) / len(flat),

@@ -319,7 +319,7 @@ def main():
                                             digest_of=store.digest, reward_range=getattr(task, "reward_range", (0.0, 1.0)))
         check = partial(audit, model, weights_of=lambda v: store.weights(v)[0], run=run, cfg=cfg, device=device)
         groups, caught, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, check, stats)
-        lease.write(**buffer.progress(lease.timeout_s), step=step, version=version, groups_per_step=cfg.groups_per_step)
+        lease.write(**(queue := buffer.progress(lease.timeout_s)), step=step, version=version, groups_per_step=cfg.groups_per_step)
         staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains: not the record's
         (samples, rewards, lengths), t1, sync_s = build_samples(groups, run, cfg), time.time(), 0.0
         m, fwd_bwd_s = train_step(model, optimizer, share(samples, waiting), run, cfg, device, 0, world), time.time() - t1
@@ -340,7 +340,7 @@ def main():
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             t_eval = time.time()  # evaluation has a time of its own: perf/step_s includes it, perf/fwd_bwd_s not
             record |= {"eval/accuracy": evaluate_now(), "perf/eval_s": time.time() - t_eval}
-        record |= {"sample/policy_mismatch": len(caught), "sample/rollout_queue_size": len(buffer.order),
+        record |= {"sample/policy_mismatch": len(caught), "sample/rollout_queue_size": queue["waiting"],
                    "perf/rollout_wait_s": wait_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s,
                    "perf/step_s": time.time() - t0, "lr": cfg.lr, "time": time.time(),
                    "perf/peak_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0}

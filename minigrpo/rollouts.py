@@ -1,7 +1,8 @@
-"""The rollout record and buffer: the only data that flows from generators to the trainer. One group (G completions
-of one prompt, all sampled with one adapter version) is one safetensors object, RUN/rollouts/<writer>-<seq>.safetensors,
-written once and never moved: tensors for the ids and log-probs, string metadata for the rest. Also here: the
-trainer's Ledger of consumed groups, quarantine and garbage collection (README, "The run directory")."""
+"""The rollout record and buffer: the only data that flows from generators to the trainer. A generator's batch of groups
+(G completions of one prompt each, sampled with one adapter version) is one safetensors object, written once and never
+moved: RUN/rollouts/<writer>-<seq>.safetensors (a bucket bills requests). Group j in it, <writer>-<seq>.<j>, is its
+tensors "<j>.<name>" and metadata "<j>.<field>". Also: the Ledger, quarantine, garbage collection (README, "The run
+directory")."""
 import collections
 import errno
 import hashlib
@@ -17,7 +18,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from minigrpo.run import fault
 
-FORMAT = "minigrpo.group.v1"
+FORMAT = "minigrpo.groups.v1"
 INTS = (torch.int64, torch.int32)
 DTYPES = {"prompt_ids": INTS, "completion_ids": INTS, "completion_lens": INTS, "behavior_logprobs": (torch.float32,),
           "rewards": (torch.float32,), "truncated": (torch.bool,), "loss_mask": (torch.int8, torch.uint8, *INTS)}
@@ -48,21 +49,29 @@ class Group:  # G completions of one prompt; lists hold one entry per completion
         self.loss_mask = self.loss_mask or [[1] * len(c) for c in self.completion_ids]
 
 
-def to_tensors(group: Group) -> tuple[dict, dict]:  # completions right-padded to the longest, their lengths alongside
-    tensors = {k: torch.tensor(getattr(group, k), dtype=DTYPES[k][0]) for k in FLAT}
-    tensors |= {k: pad_sequence([torch.tensor(r, dtype=DTYPES[k][0]) for r in getattr(group, k)], True) for k in PADDED}
-    tensors["completion_lens"] = torch.tensor([len(c) for c in group.completion_ids], dtype=torch.long)
-    return tensors, {"format": FORMAT} | {k: str(getattr(group, k)) for k in META}
+def to_tensors(groups: list[Group]) -> tuple[dict, dict]:  # completions right-padded to the longest, lengths alongside
+    tensors, meta = {}, {"format": FORMAT, "groups": str(len(groups))}
+    for j, g in enumerate(groups):
+        tensors |= {f"{j}.{k}": torch.tensor(getattr(g, k), dtype=DTYPES[k][0]) for k in FLAT}
+        tensors |= {f"{j}.{k}": pad_sequence([torch.tensor(r, dtype=DTYPES[k][0]) for r in getattr(g, k)], True) for k in PADDED}
+        tensors[f"{j}.completion_lens"] = torch.tensor([len(c) for c in g.completion_ids], dtype=torch.long)
+        meta |= {f"{j}.{k}": str(getattr(g, k)) for k in META}
+    return tensors, meta
 
 
-def read_group(data: bytes, group_id: str) -> Group:  # to_tensors inverted; a ValueError names any inconsistency
+def read_groups(data: bytes, object_id: str) -> list[Group]:  # to_tensors inverted; a ValueError names any inconsistency
     tensors = load(data)  # safetensors: the header's length in 8 little-endian bytes, then the JSON header
     metadata = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
     if metadata.get("format") != FORMAT:
         raise ValueError(f"format is {metadata.get('format')!r}, expected {FORMAT!r}")
+    return [read_group(tensors, metadata, f"{object_id}.{j}") for j in range(int(metadata.get("groups", 0)))]
+
+
+def read_group(tensors: dict, metadata: dict, group_id: str) -> Group:  # group j's entries, named "<j>.<name>"
+    j = group_id.rsplit(".", 1)[1]
+    tensors, metadata = ({k[len(j) + 1:]: v for k, v in d.items() if k.startswith(f"{j}.")} for d in (tensors, metadata))
     if (named := metadata.pop("group_id", None)) != group_id:  # the same bytes under a second name: trained once
         raise ValueError(f"group_id: this group was written as {named!r}, found as {group_id!r} (a copy)")
-    tensors.setdefault("loss_mask", torch.ones_like(tensors.get("completion_ids", torch.ones(0)), dtype=torch.int8))  # none: old
     if missing := DTYPES.keys() - tensors.keys():
         raise ValueError(f"missing tensors {sorted(missing)}")
     for name, kinds in DTYPES.items():
@@ -94,13 +103,11 @@ def group_key(group_id: str) -> str:
 
 
 class Ledger:
-    """Consumed group ids. A checkpoint saves `collect`, consumed before the previous checkpoint (deletable once
-    this one is complete), and `consumed`, consumed since; `taken` is this life's, since the last checkpoint."""
+    """Consumed group ids, and object ids once all their groups are (only those go). A checkpoint saves `collect`, consumed
+    before the previous one (deletable once this one is complete), and `consumed`, since; `taken`: this life's, since."""
 
     def __init__(self, state: dict | None = None):
         state = state or {}
-        if any(isinstance(state.get(k), dict) and state[k] for k in ("collect", "consumed")):  # ranges, as before
-            raise SystemExit("the checkpoint's ledger is in an older minigrpo's format: finish that run with it")
         self.collect, self.consumed = set(state.get("collect") or []), set(state.get("consumed") or [])
         self.taken, self.skip = set(), self.collect | self.consumed
 
@@ -113,21 +120,20 @@ class Ledger:
 
 class RolloutBuffer:
     def __init__(self, storage, run_id: str = ""):
-        self.storage, self.run_id, self.order = storage, run_id, {}  # order: unconsumed ids in the order first seen
-        self.next, self.active = {}, {}  # each writer's first sequence number not yet listed (or read); when it last grew
+        self.storage, self.run_id, self.ready = storage, run_id, []  # (object id, group): read, not yet taken, oldest first
+        self.next, self.active = {}, {}  # each writer's first sequence number not yet listed; when it last grew
         self.full_at = 0.0  # when rollouts/ was last listed whole
         self.reasons = collections.Counter()  # quarantines by kind ("ValueError: rewards"), for the trainer's stop line
 
     def write(self, groups: list[Group], writer: str, seq: int) -> list[str]:
-        """Add finished groups, one object each, numbered from seq on, create-only: a name taken is a FileExistsError."""
-        for i, group in enumerate(groups):
-            group.group_id, group.generator_id, group.run_id = f"{writer}-{seq + i:06d}", writer, self.run_id
-        self.storage.put_many({group_key(g.group_id): save(*to_tensors(g)) for g in groups}, create=True)
+        """Add a batch of finished groups as one object, <writer>-<seq>, create-only: a name taken is a FileExistsError."""
+        for j, group in enumerate(groups):
+            group.group_id, group.generator_id, group.run_id = f"{writer}-{seq:06d}.{j}", writer, self.run_id
+        self.storage.put(group_key(f"{writer}-{seq:06d}"), save(*to_tensors(groups)), create=True)
         return [g.group_id for g in groups]
 
     def listed(self, since: "dict | None" = None) -> list[str]:
-        """Ids in rollouts/, consumed or not (the trainer publishes how many it consumed). since {writer: n}: only each
-        writer's ids from sequence number n on, a listing each that on S3 starts there."""
+        """Object ids in rollouts/, consumed or not; since {writer: n}: each writer's from n on (on S3, listed from there)."""
         names = self.storage.list("rollouts") if since is None else \
             [name for w, n in since.items() for name in self.storage.list("rollouts", f"{w}-", f"{w}-{n:06d}")]
         return [n.removesuffix(".safetensors") for n in names if n.endswith(".safetensors")]
@@ -135,52 +141,54 @@ class RolloutBuffer:
     def take(self, n: int, ledger: Ledger, validate=lambda group: None, stats=None) -> list[Group]:
         """Up to n of the oldest groups the ledger has not seen, recorded in it; one that fails is quarantined."""
         stats = {} if stats is None else stats
-        if len(self.order) < n:  # list only if fewer than n are known to wait: a listing is a bucket's costly request
-            # rollouts/ keeps consumed groups until garbage collection: on S3, list each known writer from its first id
-            # not yet seen; all of it only every 30 s (5 s once none grew for 5 s), for new writers (a restarted generator)
+        if len(self.ready) < n:  # list only if fewer than n wait: a listing is a bucket's costliest request
+            # rollouts/ keeps consumed objects until garbage collection: on S3, list each known writer from its first object
+            # not yet seen (they come in order); all of it every 30 s (5 s once none grew for 5 s): new writers, late objects
             quiet = time.monotonic() - max(self.active.values(), default=0.0) > 5
             if full := not self.storage.s3 or not self.next or time.monotonic() - self.full_at > (5 if quiet else 30):
                 self.full_at = time.monotonic()
-            listed = self.listed(None if full else self.next)
-            new = sorted((i for i in listed if i not in ledger.skip), key=sequence_number)
-            self.order.update(dict.fromkeys(new))  # new ones join the end by sequence number; known ones keep their place
-            first = {i.rsplit("-", 1)[0]: sequence_number(i)[0] for i in sorted(listed, key=sequence_number, reverse=True)}
-            after = {w: self.next.get(w, i) for w, i in first.items()} if full else dict(self.next)
-            for w, i in after.items():  # past every id listed or read: one written out of order is looked for again
-                while (gid := f"{w}-{i:06d}") in ledger.skip or gid in self.order:
-                    i = after[w] = i + 1
-            self.active |= {w: time.monotonic() for w, i in after.items() if i > self.next.get(w, 0)}
-            self.next = after
+            listed = sorted(self.listed(None if full else self.next), key=sequence_number)  # oldest first, all writers
+            self.read([i for i in listed if i not in ledger.skip], ledger, stats)
+            for w, seq in ((i.rsplit("-", 1)[0], sequence_number(i)[0] + 1) for i in listed):
+                if seq > self.next.get(w, 0):
+                    self.next[w], self.active[w] = seq, time.monotonic()
         groups = []
-        while len(groups) < n and self.order:
-            batch = list(self.order)[:n - len(groups)]  # the oldest, read together
-            for gid, data in zip(batch, self.storage.get_many([group_key(gid) for gid in batch])):
-                del self.order[gid]
-                ledger.skip.add(gid)  # read once, whatever comes of it
-                if isinstance(data, FileNotFoundError):  # a listing that lags a delete, or a bucket's "directory"
-                    continue
-                if isinstance(data, OSError) and not (self.storage.local and data.errno == errno.EACCES):
-                    raise data  # the store failed, not the group (a local file this user cannot read is the group's)
-                try:
-                    if isinstance(data, Exception):  # not a regular file, or one this user cannot read
-                        raise data
-                    validate(group := read_group(data, gid))
-                except Exception as e:  # noqa: BLE001 - nothing in a group file may stop the trainer
-                    self.quarantine(gid, data, f"{type(e).__name__}: {e}", stats)
-                    stats["attribution_mismatch"] = stats.get("attribution_mismatch", 0) + isinstance(e, AttributionError)
-                    continue
-                ledger.taken.add(gid)
-                groups.append(group)
+        while len(groups) < n and self.ready:
+            oid, group = self.ready.pop(0)  # recorded, and so is its object once this was the last of it (then it may go)
+            ledger.taken |= {group.group_id} | ({oid} if all(o != oid for o, _ in self.ready) else set())
+            try:
+                validate(group)
+            except Exception as e:  # noqa: BLE001 - nothing in a group may stop the trainer
+                self.quarantine(group.group_id, group, f"{type(e).__name__}: {e}", stats)
+                stats["attribution_mismatch"] = stats.get("attribution_mismatch", 0) + isinstance(e, AttributionError)
+                continue
+            groups.append(group)
         return groups
 
-    def progress(self, window_s: float) -> dict:
-        """Backpressure: groups waiting, each writer's last group listed with none missing before it, writers active."""
-        return {"waiting": len(self.order), "seen": {w: i - 1 for w, i in self.next.items()},
+    def read(self, oids: list[str], ledger: Ledger, stats: dict):  # together; one unreadable is quarantined whole
+        for oid, data in zip(oids, self.storage.get_many([group_key(i) for i in oids])):
+            ledger.skip.add(oid)  # read once, whatever comes of it
+            if isinstance(data, FileNotFoundError):  # a listing that lags a delete, or a bucket's "directory"
+                continue
+            if isinstance(data, OSError) and not (self.storage.local and data.errno == errno.EACCES):
+                raise data  # the store failed, not the object (a local file this user cannot read is the object's)
+            try:
+                if isinstance(data, Exception):  # not a regular file, or one this user cannot read
+                    raise data
+                groups = read_groups(data, oid)
+            except Exception as e:  # noqa: BLE001 - nothing in a rollout object may stop the trainer
+                self.quarantine(oid, data, f"{type(e).__name__}: {e}", stats)
+                self.storage.delete(group_key(oid))
+                continue
+            self.ready += [(oid, g) for g in groups if g.group_id not in ledger.skip]  # skip: what a resumed trainer's took
+
+    def progress(self, window_s: float) -> dict:  # backpressure: groups waiting, each writer's last object listed, writers
+        return {"waiting": len(self.ready), "seen": {w: i - 1 for w, i in self.next.items()},
                 "writers": sum(time.monotonic() - t < window_s for t in self.active.values())}
 
     def quarantine(self, group_id: str, data: "bytes | Exception | Group", reason: str, stats: dict):
-        """Keep the evidence in bad/ (under a name any store takes), then remove the entry from rollouts/."""
-        data = save(*to_tensors(data)) if isinstance(data, Group) else data
+        """Keep the evidence in bad/ (under a name any store takes); a group's object stays (the ledger holds it)."""
+        data = save(*to_tensors([data])) if isinstance(data, Group) else data
         stats["bad_total"] = stats.get("bad_total", 0) + 1
         self.reasons[re.match(r"[\w ]*(: \w+)?", reason)[0]] += 1
         safe = group_id if re.fullmatch(r"[\w.-]{1,100}", group_id, re.ASCII) else re.sub(r"[^\w.-]", "_", group_id[:80], flags=re.ASCII) \
@@ -188,12 +196,11 @@ class RolloutBuffer:
         self.storage.put(f"bad/{safe}.reason.txt", f"{group_id!r}: {reason}\n")
         if isinstance(data, bytes):
             self.storage.put(f"bad/{safe}.safetensors", data)
-        self.storage.delete(group_key(group_id))
         print(f"[rollouts] quarantined {group_id!r}: {reason!r}", flush=True)
 
     def collect(self, ids, fenced=lambda write, *args: write(*args), fault_step: int | None = None):
-        """Delete consumed groups (garbage collection; repeating it is harmless), each half behind the fence."""
-        keys = [group_key(gid) for gid in sorted(ids)]
+        """Delete consumed objects (garbage collection; repeating it is harmless), each half behind the fence."""
+        keys = [group_key(i) for i in sorted(ids) if not re.search(r"\.\d+$", i)]  # objects, not the groups in them
         fenced(self.storage.delete, keys[:len(keys) // 2])
         if keys and fault_step is not None:
             fault("mid_gc", fault_step)

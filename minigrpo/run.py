@@ -241,12 +241,13 @@ def tracker(report_to: str, project: str, name: str, config: dict):
 
 class Metrics:
     """One JSON record per step: a console line, RUN/metrics/<name>-<life>-<seg>.jsonl (a bucket cannot append: the current
-    segment, at most `segment` records, is rewritten whole) and the tracker, past earlier lives' steps (a crash redoes steps)."""
+    segment, up to `segment` records, is rewritten whole with each line) and the tracker, past earlier lives' steps."""
 
     def __init__(self, storage, name: str, tracker=None, lives: str = "", segment: int = 25):
         self.storage, self.segment, self.records = storage, segment, []
         self.prefix, self.n = f"metrics/{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}", 0
-        self.send, self.finish = tracker or (None, lambda: None)
+        self.send, close = tracker or (None, lambda: None)
+        self.finish = lambda: (self.flush(), close())  # the records not yet written, then the tracker's end
         earlier = read_records(storage, lives or f"{name}-") if tracker else []  # lives: all lives' names begin so
         self.last = max((r.get("step", i) for i, r in enumerate(earlier)), default=-1)  # a generator's: batches
 
@@ -254,12 +255,16 @@ class Metrics:
         if len(self.records) == self.segment:
             self.records, self.n = [], self.n + 1
         self.records.append(json.dumps(record))
-        self.storage.put(f"{self.prefix}-{self.n:05d}.jsonl", "\n".join(self.records) + "\n")
+        if line is not None or len(self.records) == self.segment:  # a bucket bills each write
+            self.flush()
         if line:  # one write, newline included: two processes on one terminal do not merge mid-line
             print(line + "\n", end="", flush=True)
         if self.send and (step := record.get("step", self.last + 1)) > self.last:  # after the record: never sent twice
             self.send({k: v for k, v in record.items() if type(v) in (int, float) and k not in ("step", "time")}, step)
             self.last = step
+
+    def flush(self):
+        self.storage.put(f"{self.prefix}-{self.n:05d}.jsonl", "\n".join(self.records) + "\n")
 
 
 def read_records(storage, name: str, bad: list | None = None) -> list[dict]:

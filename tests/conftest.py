@@ -37,6 +37,7 @@ def arch(request):
 
 
 # ---- real processes on loopback: servers, proxies ----
+import contextlib
 import json
 import os
 import socket
@@ -125,6 +126,28 @@ def publish_v0(run_dir, settings=None):
 
 
 # ---- run directories ----
+def rollout_groups(storage) -> dict:
+    """{group id: group} of every object in RUN/rollouts/, each read whole (a ValueError if one does not read)."""
+    from minigrpo.rollouts import read_groups
+    groups = {}
+    for name in storage.list("rollouts"):
+        for group in read_groups(storage.get(f"rollouts/{name}"), name.removesuffix(".safetensors")):
+            groups[group.group_id] = group
+    return groups
+
+
+def unconsumed(storage) -> dict:
+    """{object id: its groups that no checkpoint's ledger holds as consumed}, for each object left in RUN/rollouts/."""
+    consumed, left = set(), {}
+    for name in storage.list("checkpoints"):
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+            ledger = json.loads(storage.get(f"checkpoints/{name}/trainer_state.json"))["ledger"]
+            consumed |= {*ledger["collect"], *ledger["consumed"]}
+    for gid in rollout_groups(storage):
+        left.setdefault(gid.rsplit(".", 1)[0], set()).add(gid)
+    return {oid: gids - consumed for oid, gids in left.items()}
+
+
 def train_records(run_dir: str) -> list[dict]:
     """The trainer's step records that stand (a step redone after a crash: its last record), steps 1.."""
     from minigrpo.tools.plot import latest_per_step

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import eval_records, gen_records, train_records
+from conftest import eval_records, gen_records, rollout_groups, train_records, unconsumed
 
 from minigrpo.storage import Storage
 from train import TrainConfig
@@ -83,8 +83,7 @@ def test_run_directory_is_left_consistent(demo_run):
     assert len(names) == STEPS + 1, "every version's name stays claimed (its config), so none is ever written twice"
     assert sum(storage.exists(f"adapters/{d}/adapter_model.safetensors") for d in names) <= 4 + 2, "old weights go"
     trained = {g for r in train_records(demo_run) for g in r["group_ids"]}
-    left = {n.removesuffix(".safetensors") for n in storage.list("rollouts")}
-    assert not left & trained, "a consumed group was not collected at the end"
+    assert trained and all(unconsumed(storage).values()), "an object whose groups were all consumed was not collected"
     assert storage.list("checkpoints") == [f"step-{STEPS - 25:06d}-e000001", f"step-{STEPS:06d}-e000001"]
 
 
@@ -120,8 +119,8 @@ def test_trainer_two_replicas_proxy_and_http_generator_learn_together(tmp_path):
                                 "http", "--url", proxy, "--api_key", "k"], cwd=ROOT, stdout=subprocess.DEVNULL,
                                stderr=subprocess.STDOUT)
         procs.append(gen)
-        train = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", "120", "--eval_every",
-                                "60", "--save_every", "60"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        train = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", "80", "--eval_every",
+                                "40", "--save_every", "40"], cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
         assert gen.wait(timeout=60) == 0
         evals = eval_records(run_dir)
@@ -150,7 +149,6 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(tmp
     from minigrpo.lora import inject_lora, load_adapter
     from conftest import sequence_logprobs
     from minigrpo.model import load_model
-    from minigrpo.rollouts import read_group
     ports = [free_port() for _ in range(3)]
     replicas = [f"http://127.0.0.1:{p}" for p in ports[:2]]
     procs = [start(["-m", "minigrpo.replica.serve", "--port", str(p)], p, wait=False) for p in ports[:2]]
@@ -173,8 +171,7 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(tmp
             assert gen.wait(timeout=60) == 0
             assert train_records(run_dir)[-1]["sample/attribution_mismatch"] == 0  # every digest matched its version
             storage, near, far = Storage(run_dir), [], []
-            for name in storage.list("rollouts"):  # groups sampled after the last step: recompute their log-probs
-                group = read_group(storage.get(f"rollouts/{name}"), name.removesuffix(".safetensors"))
+            for group in rollout_groups(storage).values():  # groups sampled after the last step: recompute log-probs
                 adapter = f"{run_dir}/adapters/policy-{json.loads(storage.get('run.json'))['run_id']}-v{group.policy_version:06d}"
                 if group.policy_version == 0 or not os.path.isdir(adapter):
                     continue

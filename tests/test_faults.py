@@ -14,10 +14,10 @@ import time
 import http.server
 
 import pytest
-from conftest import ROOT, call, free_port, gen_records, publish_v0, start, train_records
+from conftest import ROOT, call, free_port, gen_records, publish_v0, rollout_groups, start, train_records, unconsumed
 
 from minigrpo.lora import DEFAULT_TARGETS, adapter_config, adapter_digest
-from minigrpo.rollouts import RolloutBuffer, read_group
+from minigrpo.rollouts import RolloutBuffer
 from minigrpo.run import RunSettings, create_run
 from minigrpo.storage import Storage
 
@@ -35,9 +35,8 @@ def generated_groups(run_dir, batches: int) -> list:
     subprocess.run([sys.executable, "generate.py", "--run_dir", run_dir, "--max_batches", str(batches)], cwd=ROOT,
                    check=True, capture_output=True, timeout=300)
     storage = Storage(run_dir)
-    names = storage.list("rollouts")
-    groups = [read_group(storage.get(f"rollouts/{f}"), f.removesuffix(".safetensors")) for f in names]
-    storage.delete([f"rollouts/{f}" for f in names])
+    groups = list(rollout_groups(storage).values())
+    storage.delete([f"rollouts/{f}" for f in storage.list("rollouts")])
     return groups
 
 
@@ -96,7 +95,8 @@ def test_a_trainer_killed_at_each_fault_point_resumes_and_trains_every_group_exa
     versions = [r["version"] for r in steps]
     assert versions == sorted(versions) and len(set(versions)) == 12
     # every group written was trained once, dropped once (and counted once), or is still waiting
-    written, left, last = 8 * len(gen_records(run_dir, "g0")), len(Storage(run_dir).list("rollouts")), steps[-1]
+    written, last = 8 * len(gen_records(run_dir, "g0")), steps[-1]
+    left = sum(map(len, unconsumed(Storage(run_dir)).values()))  # groups that wait
     dropped = last["sample/dropped_stale_total"] + last["sample/dropped_zero_std_total"]  # stale, and dapo's no-signal
     assert written == len(ids) + dropped + last["sample/bad_total"] + left
 
@@ -190,9 +190,7 @@ def test_generators_killed_mid_write_never_leave_a_partial_group(tmp_path):
         for g in gens:
             g.kill()
             g.wait()
-        for name in store.storage.list("rollouts"):  # every visible group is whole and valid
-            gid = name.removesuffix(".safetensors")
-            assert len(read_group(store.storage.get(f"rollouts/{name}"), gid).completion_ids) == 8
+        assert all(len(g.completion_ids) == 8 for g in rollout_groups(store.storage).values())  # whole and valid
     assert len(writers()) == 4 and {w.split("-")[0] for w in writers()} == {"g0", "g1"}  # a new name every life
 
 
@@ -210,7 +208,7 @@ def test_generator_skips_an_adapter_without_weights_and_keeps_the_last_good_one(
     assert gen.wait(timeout=120) == 0
     out = open(log).read()
     assert f"cannot load {store.url(1)} (ValueError: {store.url(1)} doesn't contain tensors)" in out
-    versions = {read_group(store.storage.get(f"rollouts/{n}"), n.removesuffix(".safetensors")).policy_version for n in store.storage.list("rollouts")}
+    versions = {g.policy_version for g in rollout_groups(store.storage).values()}
     assert versions == {0}
     last = gen_records(run_dir, "g0")[-1]
     assert last["adapters_skipped"] == 1 and last["batch"] == 60
@@ -260,8 +258,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_nothing_torn(tiny_tmpfs, tm
     assert train.returncode == 1 and gen.returncode == 1, train.stderr + gen_out  # each stops by itself
     assert "Traceback" not in train.stderr + gen_out and "No space left on device" in train.stderr + gen_out
     storage = Storage(run_dir)
-    for name in storage.list("rollouts"):  # every visible object is whole
-        read_group(storage.get(f"rollouts/{name}"), name.removesuffix(".safetensors"))
+    rollout_groups(storage)  # every visible object is whole
     latest = storage.get("adapters/LATEST").decode().strip()
     assert storage.exists(f"adapters/{latest}/adapter_model.safetensors")
 

@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT, gen_records, train_records
+from conftest import ROOT, gen_records, train_records, unconsumed
 from test_faults import TRAIN, py
 
 from minigrpo.lora import adapter_digest
@@ -111,7 +111,7 @@ def pause_and_take_over(tmp_path, point, pause_step=6, wake_after=1, steps=12, p
     from_step, records = int(resumed[1]) if resumed else 0, standing(run_dir)
     ids = [g for s, (_, r) in records.items() if s for g in r["group_ids"]]
     last = records.get(steps, (0, {}))[1]  # every group written was trained once, dropped, quarantined, or waits
-    written, left = 8 * len(gen_records(run_dir, "g0")), len(Storage(run_dir).list("rollouts"))
+    written, left = 8 * len(gen_records(run_dir, "g0")), sum(map(len, unconsumed(Storage(run_dir)).values()))
     return out | {
         "a_exit": a.returncode, "a_lost_lease": "lease lost" in open(log_a).read(), "trained_twice": len(ids) - len(set(ids)),
         "lineage": {s: e for s, (e, _) in records.items() if s} == {s: 1 if s <= from_step else 2 for s in range(1, steps + 1)},
@@ -217,6 +217,6 @@ def test_a_generator_trusts_a_lease_only_while_it_changes_whatever_its_timestamp
     buffer, watch = RolloutBuffer(storage), {"raw": None, "since": time.monotonic()}
     assert waiting_groups(buffer, watch, "w", 20, 8)[0] == 0  # live as far as this generator knows: room
     time.sleep(0.35)
-    assert waiting_groups(buffer, watch, "w", 20, 8)[0] == 28  # unchanged for its timeout: count the listing
+    assert waiting_groups(buffer, watch, "w", 20, 8)[0] == (20 + 1) * 8  # unchanged for its timeout: count the listing
     storage.put("owner.json", json.dumps(lease | {"beat": 2, "waiting": 10, "writers": 3}))
-    assert waiting_groups(buffer, watch, "w", 22, 8)[0] == 10 + 3 * (2 + 8)  # alive again: its share, N = 3
+    assert waiting_groups(buffer, watch, "w", 22, 8)[0] == 10 + 3 * (2 + 1) * 8  # alive again: its share, N = 3

@@ -100,12 +100,13 @@ def test_the_trainer_lists_a_bucket_only_when_what_it_knows_of_does_not_suffice(
     from minigrpo.rollouts import Ledger
     storage, lists = Storage(str(tmp_path / "run")), []
     buffer = RolloutBuffer(storage, "r1")
-    buffer.write([make_group() for _ in range(12)], "w", 0)
+    for seq in range(3):
+        buffer.write([make_group() for _ in range(4)], "w", seq)
     listed = storage.list
     storage.list = lambda prefix: lists.append(prefix) or listed(prefix)
     ledger = Ledger()
     taken = [g.group_id for _ in range(3) for g in buffer.take(4, ledger)]
-    assert taken == [f"w-{i:06d}" for i in range(12)] and lists == ["rollouts"]
+    assert taken == [f"w-{i // 4:06d}.{i % 4}" for i in range(12)] and lists == ["rollouts"]
     assert buffer.take(4, ledger) == [] and lists == ["rollouts", "rollouts"]  # nothing known waits: it looks again
 
 

@@ -18,7 +18,7 @@ from test_train_step import sequences
 
 from minigrpo.grpo import advantages
 from minigrpo.lora import inject_lora, lora_state_dict
-from minigrpo.rollouts import Ledger, RolloutBuffer, check_group, group_key, read_group, to_tensors
+from minigrpo.rollouts import Ledger, RolloutBuffer, check_group, group_key, read_groups, to_tensors
 from minigrpo.run import Lease, RunSettings, dead_here, here, lease_view
 from minigrpo.storage import Storage
 from safetensors.torch import save
@@ -40,8 +40,8 @@ def test_a_group_with_a_reward_outside_the_tasks_range_is_quarantined_by_name(tm
     storage = Storage(str(tmp_path / "run"))
     taken, stats = take_with_checks(storage, [make_group(rewards=rewards)])
     assert taken == [] and stats["bad_total"] == 1
-    assert "rewards: " in storage.get("bad/g-000000.reason.txt").decode() and "outside the task's range [0.0, 1.0]" \
-        in storage.get("bad/g-000000.reason.txt").decode()
+    assert "rewards: " in storage.get("bad/g-000000.0.reason.txt").decode() and "outside the task's range [0.0, 1.0]" \
+        in storage.get("bad/g-000000.0.reason.txt").decode()
 
 
 def test_advantages_of_a_huge_finite_reward_are_finite():
@@ -97,14 +97,14 @@ def test_a_group_of_another_run_is_quarantined(tmp_path):
     buffer, stats = RolloutBuffer(storage, "other-run"), {}
     buffer.write([make_group()], "g", seq=0)
     assert buffer.take(1, Ledger(), lambda g: check_group(g, RUN, vocab_size=16, version=3), stats) == []
-    assert "run_id: written for run 'other-run', this run is 'r1'" in storage.get("bad/g-000000.reason.txt").decode()
+    assert "run_id: written for run 'other-run', this run is 'r1'" in storage.get("bad/g-000000.0.reason.txt").decode()
 
 
 def test_a_group_without_its_group_id_is_refused():
-    tensors, meta = to_tensors(make_group(group_id="g-000001"))
-    del meta["group_id"]
-    with pytest.raises(ValueError, match="group_id: this group was written as None, found as 'g-000001'"):
-        read_group(save(tensors, metadata=meta), "g-000001")
+    tensors, meta = to_tensors([make_group(group_id="g-000001.0")])
+    del meta["0.group_id"]
+    with pytest.raises(ValueError, match="group_id: this group was written as None, found as 'g-000001.0'"):
+        read_groups(save(tensors, metadata=meta), "g-000001")
 
 
 def test_a_group_name_that_is_taken_is_an_error_never_an_overwrite(storage):
@@ -112,7 +112,7 @@ def test_a_group_name_that_is_taken_is_an_error_never_an_overwrite(storage):
     buffer.write([make_group()], "g", seq=0)
     with pytest.raises(FileExistsError, match="g-000000.safetensors"):
         buffer.write([make_group(rewards=[0.0, 0.0, 0.0, 1.0])], "g", seq=0)
-    assert read_group(storage.get(group_key("g-000000")), "g-000000").rewards == [1.0, 0.0, 0.5, 0.0]
+    assert read_groups(storage.get(group_key("g-000000")), "g-000000")[0].rewards == [1.0, 0.0, 0.5, 0.0]
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -14,10 +14,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, free_port, start, train_records
+from conftest import ROOT, free_port, rollout_groups, start, train_records
 from test_vllm import KEY, SERVE_FLAGS, Replica, run_id, vllm_python
 
-from minigrpo.rollouts import read_group
 from minigrpo.storage import Storage
 from minigrpo.tasks import MathTask, prompt_ids
 
@@ -77,7 +76,8 @@ def check_run(run_dir: str, out: str, model: str, data: str):
     task = MathTask(data, answer_format="last_number")
     expected = {tuple(prompt_ids(tokenizer, p.prompt, SYSTEM)) for p in task.train_set}
     storage, trained = Storage(run_dir), {g for r in steps for g in r["group_ids"]}
-    groups = [read_group(storage.get(f"rollouts/{g}.safetensors"), g) for g in sorted(trained)]
+    found = rollout_groups(storage)
+    groups = [found[g] for g in sorted(trained)]
     assert len(groups) == 2 * STEPS
     for g in groups:  # the generator's prompt is the chat template's, to the token: system, user, assistant turn
         assert tuple(g.prompt_ids) in expected

@@ -19,7 +19,7 @@ from safetensors.torch import save
 from minigrpo.adapters import AdapterStore
 from minigrpo.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
 from minigrpo.lora import DEFAULT_TARGETS, adapter_config, adapter_digest, inject_lora, lora_layers, lora_state_dict
-from minigrpo.rollouts import (AttributionError, Group, Ledger, RolloutBuffer, check_group, group_key, read_group,
+from minigrpo.rollouts import (AttributionError, Group, Ledger, RolloutBuffer, check_group, group_key, read_groups,
                                to_tensors)
 from minigrpo.run import (Lease, Metrics, RunSettings, create_run, join_run, lease_view, parse_config,
                           read_records)
@@ -67,7 +67,7 @@ def test_a_killed_writers_temp_file_is_invisible_and_never_read(tmp_path):
     storage, buffer = Storage(str(tmp_path)), RolloutBuffer(Storage(str(tmp_path)))
     good, = buffer.write([make_group()], "g", seq=0)
     (tmp_path / "rollouts" / ".1234abcd5678.tmp").write_bytes(b"half")  # what a SIGKILL inside put() leaves
-    assert storage.list("rollouts") == [f"{good}.safetensors"]
+    assert storage.list("rollouts") == ["g-000000.safetensors"] and good == "g-000000.0"
     assert [g.group_id for g in buffer.take(5, Ledger())] == [good] and not storage.list("bad")
 
 
@@ -94,16 +94,31 @@ def test_group_round_trips_through_storage(storage):
     buffer = RolloutBuffer(storage)
     group = make_group()
     gid, = buffer.write([group], "gen-a-1f2e", seq=0)
-    back = read_group(storage.get(group_key(gid)), gid)
-    assert gid == "gen-a-1f2e-000000" and back == group and back.generator_id == "gen-a-1f2e"
+    back, = read_groups(storage.get(group_key("gen-a-1f2e-000000")), "gen-a-1f2e-000000")
+    assert gid == back.group_id == "gen-a-1f2e-000000.0" and back == group and back.generator_id == "gen-a-1f2e"
 
 
 def test_take_is_fifo_records_each_group_in_the_ledger_and_never_moves_a_file(storage):
     buffer, ledger = RolloutBuffer(storage), Ledger()
-    ids = buffer.write([make_group(version=v) for v in range(5)], "g", seq=0)  # together: one round trip on a bucket
-    assert [g.group_id for g in buffer.take(3, ledger)] == ids[:3]
+    ids = buffer.write([make_group(version=v) for v in range(5)], "g", seq=0)  # one object: one request on a bucket
+    assert [g.group_id for g in buffer.take(3, ledger)] == ids[:3] and "g-000000" not in ledger.taken  # 2 left in it
     assert [g.group_id for g in buffer.take(5, ledger)] == ids[3:]
-    assert ledger.taken == set(ids) and len(buffer.listed()) == 5 and buffer.take(5, ledger) == []
+    assert ledger.taken == {*ids, "g-000000"} and buffer.listed() == ["g-000000"] and buffer.take(5, ledger) == []
+
+
+def test_a_resumed_trainer_takes_the_rest_of_a_partly_consumed_object_and_collects_only_whole_ones(storage):
+    buffer, ledger = RolloutBuffer(storage), Ledger()
+    ids = buffer.write([make_group(version=v) for v in range(5)], "g", seq=0)
+    later = buffer.write([make_group()], "g", seq=1)
+    assert [g.group_id for g in buffer.take(3, ledger)] == ids[:3]
+    saved = json.loads(json.dumps(ledger.state()))  # a checkpoint, then a crash with ids[3:] read but not taken
+    resumed, buffer = Ledger(saved), RolloutBuffer(storage)
+    assert [g.group_id for g in buffer.take(8, resumed)] == ids[3:] + later  # each group once, across the two lives
+    resumed.advance()
+    buffer.collect(resumed.collect)  # what the first life consumed: groups of an object not yet whole, nothing to delete
+    assert buffer.listed() == ["g-000000", "g-000001"]
+    buffer.collect(resumed.consumed)  # both objects, whole now
+    assert buffer.listed() == []
 
 
 def test_the_ledger_deletes_only_what_two_checkpoints_cover():
@@ -124,7 +139,7 @@ def hostile(storage, tmp_path, kind, monkeypatch):
     """Write one hostile rollout entry of the given kind; returns its group id."""
     gid = {"long_name": "evil-" + "x" * 230 + "-000000", "non_utf8_name": "evil-\udcff-000000"}.get(
         kind, f"evil-{kind.replace('_', '')}-000000")
-    tensors, meta = to_tensors(make_group(group_id=gid))
+    tensors, meta = to_tensors([make_group(group_id=f"{gid}.0")])
     path = None if not storage.local else os.path.join(storage.root, group_key(gid))
     if kind == "directory":
         os.makedirs(os.path.join(path, "inside"))
@@ -135,8 +150,8 @@ def hostile(storage, tmp_path, kind, monkeypatch):
                             if p == path else real_open(p, *a))
     if kind == "copy":
         group = make_group()
-        group.group_id = "g-000099"
-        tensors, meta = to_tensors(group)
+        group.group_id = "g-000099.0"
+        tensors, meta = to_tensors([group])
     if kind in ("symlink", "fifo"):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         (tmp_path / "outside").write_bytes(save(tensors, metadata=meta))
@@ -148,26 +163,26 @@ def hostile(storage, tmp_path, kind, monkeypatch):
         data = save(tensors, metadata=meta)[:100]
     else:
         if kind == "float_lens":
-            tensors["completion_lens"] = tensors["completion_lens"].float()
+            tensors["0.completion_lens"] = tensors["0.completion_lens"].float()
         elif kind == "float_ids":
-            tensors["completion_ids"] = tensors["completion_ids"].float()
+            tensors["0.completion_ids"] = tensors["0.completion_ids"].float()
         elif kind == "wrong_shapes":
-            tensors["rewards"] = torch.zeros(7)
+            tensors["0.rewards"] = torch.zeros(7)
         elif kind == "nan_logprobs":
-            tensors["behavior_logprobs"][0, 0] = float("nan")
+            tensors["0.behavior_logprobs"][0, 0] = float("nan")
         elif kind == "missing_field":
-            del tensors["behavior_logprobs"]
+            del tensors["0.behavior_logprobs"]
         elif kind == "long_completion":
-            tensors["completion_ids"] = torch.ones(4, 4096, dtype=torch.long)
-            tensors["behavior_logprobs"] = -torch.ones(4, 4096)
-            tensors["completion_lens"] = torch.full((4,), 4096)
-            tensors["loss_mask"] = torch.ones(4, 4096, dtype=torch.int8)
+            tensors["0.completion_ids"] = torch.ones(4, 4096, dtype=torch.long)
+            tensors["0.behavior_logprobs"] = -torch.ones(4, 4096)
+            tensors["0.completion_lens"] = torch.full((4,), 4096)
+            tensors["0.loss_mask"] = torch.ones(4, 4096, dtype=torch.int8)
         elif kind == "mask_of_two":
-            tensors["loss_mask"][0, 0] = 2
+            tensors["0.loss_mask"][0, 0] = 2
         elif kind == "short_mask":  # one column short of the completions'
-            tensors["loss_mask"] = tensors["loss_mask"][:, :-1].contiguous()
+            tensors["0.loss_mask"] = tensors["0.loss_mask"][:, :-1].contiguous()
         elif kind == "long_prompt":
-            tensors["prompt_ids"] = torch.ones(20_000, dtype=torch.long)
+            tensors["0.prompt_ids"] = torch.ones(20_000, dtype=torch.long)
         data = save(tensors, metadata=meta)
     storage.put(group_key(gid), data)
     return gid
@@ -182,7 +197,8 @@ REASONS = {"garbage": "SafetensorError", "truncated": "SafetensorError",
            "mask_of_two": "loss_mask holds [2]: only 0 and 1 are allowed", "short_mask": "inconsistent shapes",
            "symlink": "is not a regular file", "fifo": "is not a regular file", "directory": "is not a regular file",
            "long_name": "SafetensorError", "non_utf8_name": "SafetensorError", "unreadable": "Permission denied",
-           "copy": "group_id: this group was written as 'g-000099', found as 'evil-copy-000000' (a copy)"}
+           "copy": "group_id: this group was written as 'g-000099.0', found as 'evil-copy-000000.0' (a copy)"}
+WHOLE = set(REASONS) - {"long_completion", "long_prompt"}  # the object, unreadable; else one group fails the run's bounds
 
 
 @pytest.mark.parametrize("kind", list(REASONS))
@@ -194,8 +210,10 @@ def test_a_hostile_group_is_quarantined_with_a_reason_that_names_it_and_the_trai
     check = lambda g: check_group(g, RUN, vocab_size=16, version=3)  # noqa: E731
     assert [g.group_id for g in buffer.take(5, ledger, check, stats)] == [good]
     reason, = [storage.get(f"bad/{n}").decode() for n in storage.list("bad") if n.endswith(".reason.txt")]
-    assert REASONS[kind] in reason and repr(bad) in reason, reason
-    assert stats["bad_total"] == 1 and storage.list("rollouts") == [f"{good}.safetensors"]
+    assert REASONS[kind] in reason and repr(bad if kind in WHOLE else f"{bad}.0") in reason, reason
+    kept = [] if kind in WHOLE else [f"{bad}.safetensors"]  # a bad group's object stays until garbage collection
+    assert stats["bad_total"] == 1 and storage.list("rollouts") == kept + ["g-000001.safetensors"]
+    assert kind in WHOLE or bad in ledger.taken  # the ledger holds it: a resumed trainer skips it
     assert (tmp_path / "outside").exists() or kind not in ("symlink", "fifo")  # the link's target is untouched
 
 
@@ -429,15 +447,9 @@ def test_a_group_whose_name_has_no_sequence_number_is_read_like_any_other(tmp_pa
     storage = Storage(str(tmp_path / "run"))
     buffer, ledger = RolloutBuffer(storage), Ledger()
     for name in ("copied-by-hand", "g-\u00b2"):  # no number at all, and a digit int() cannot read
-        storage.put(group_key(name), save(*to_tensors(make_group(group_id=name))))
+        storage.put(group_key(name), save(*to_tensors([make_group(group_id=f"{name}.0")])))
     good, = buffer.write([make_group()], "g", seq=1)
-    assert [g.group_id for g in buffer.take(5, ledger)] == ["copied-by-hand", "g-\u00b2", good]
-
-
-def test_a_ledger_in_the_older_range_format_is_refused_not_misread():
-    with pytest.raises(SystemExit, match="older minigrpo"):
-        Ledger({"collect": {"g": [[0, 3]]}, "consumed": {}})
-    assert Ledger({"collect": None, "consumed": {}}).skip == set()  # nothing recorded, in either format
+    assert [g.group_id for g in buffer.take(5, ledger)] == ["copied-by-hand.0", "g-\u00b2.0", good]
 
 
 def test_a_lease_is_free_at_once_only_when_its_owner_died_on_this_host():

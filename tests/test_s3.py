@@ -6,11 +6,12 @@ standard way (AWS_ENDPOINT_URL and friends). Generator and trainer share nothing
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from conftest import ROOT, publish_v0, train_records
 from test_rundir import make_group
 
-from minigrpo.rollouts import Ledger, RolloutBuffer, read_group
+from minigrpo.rollouts import Ledger, RolloutBuffer, read_groups
 from minigrpo.storage import Storage
 
 
@@ -37,9 +38,8 @@ def test_the_demo_runs_on_s3_and_trains_every_group_exactly_once(s3_bucket, tmp_
     assert storage.exists("DONE") and storage.list("checkpoints") == ["step-000015-e000001", "step-000020-e000001"]
     latest = storage.get("adapters/LATEST").decode().strip()
     assert storage.exists(f"adapters/{latest}/adapter_model.safetensors")
-    for name in storage.list("rollouts"):  # what is left was never trained, and is whole
-        assert name.removesuffix(".safetensors") not in ids
-        read_group(storage.get(f"rollouts/{name}"), name.removesuffix(".safetensors"))
+    for name in storage.list("rollouts"):  # what is left holds a group never trained (whole objects go), and is whole
+        assert {g.group_id for g in read_groups(storage.get(f"rollouts/{name}"), name.removesuffix(".safetensors"))} - set(ids)
 
 
 def test_a_missing_bucket_is_one_clear_line(s3_endpoint):
@@ -70,37 +70,39 @@ def test_a_read_on_s3_is_one_request_whatever_its_size(s3_bucket):
 
 
 def test_a_poll_on_s3_lists_only_what_is_new(s3_bucket):
-    """Consumed groups stay in rollouts/ until garbage collection, two checkpoints later: the trainer's listing must
-    not grow with them. It lists each known writer from its first unseen id on, and all of rollouts/ only now and
-    then, to meet new writers; a group written out of order (a batch's puts run concurrently) is still found."""
+    """Consumed objects stay in rollouts/ until garbage collection, two checkpoints later: the trainer's listing must
+    not grow with them. It lists each known writer from its first unseen object on (a writer writes its objects in
+    order), and all of rollouts/ only now and then, to meet new writers and any object written out of order."""
     buffer, ledger = RolloutBuffer(Storage(f"{s3_bucket}/run"), "r1"), Ledger()
-    buffer.write([make_group() for _ in range(300)], "w", seq=0)
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda seq: buffer.write([make_group()], "w", seq=seq), range(300)))
     assert len(buffer.take(300, ledger)) == 300  # the first listing is whole
     returned, call_s3 = [], buffer.storage.fs.call_s3
 
-    def counted(method, **kwargs):  # the keys each listing brought back
+    def counted(method, **kwargs):  # the keys each listing of one writer brought back
         out = call_s3(method, **kwargs)
         returned.append(len(out.get("Contents", [])))
         return out
 
     def now(quiet_s=0.0, listed_s=0.0):  # as if w last grew quiet_s ago and rollouts/ was listed whole listed_s ago
         buffer.active["w"], buffer.full_at = time.monotonic() - quiet_s, time.monotonic() - listed_s
+
+    def taken():
+        return [g.group_id for g in buffer.take(8, ledger)]
     buffer.storage.fs.call_s3 = counted
-    buffer.write([make_group()], "w", seq=302)  # 300 and 301 still in flight
-    now()
-    assert [g.group_id for g in buffer.take(8, ledger)] == ["w-000302"] and returned == [1]
     buffer.write([make_group()], "w", seq=300)
+    now()
+    assert taken() == ["w-000300.0"] and returned == [1] and buffer.next == {"w": 301}
+    buffer.write([make_group()], "w", seq=302)  # 301 comes late
     buffer.write([make_group()], "v", seq=0)  # a new writer: met by a whole listing, 30 s after the last (5 s if w is quiet)
     now()
-    assert [g.group_id for g in buffer.take(8, ledger)] == ["w-000300"] and returned == [1, 2]  # 300 and 302 again
-    assert buffer.take(8, ledger) == [] and returned[-1] == 1 and buffer.next == {"w": 301}
-    now(listed_s=6)  # w grew within 5 s: no whole listing
-    assert buffer.take(8, ledger) == [] and returned[-1] == 1 and len(returned) == 4
-    now(quiet_s=6, listed_s=6)  # w quiet for 6 s: the whole listing
-    assert [g.group_id for g in buffer.take(8, ledger)] == ["v-000000"] and buffer.next == {"w": 301, "v": 1}
+    assert taken() == ["w-000302.0"] and returned == [1, 1] and buffer.next == {"w": 303}
     buffer.write([make_group()], "w", seq=301)
-    assert [g.group_id for g in buffer.take(8, ledger)] == ["w-000301"] and buffer.next == {"w": 303, "v": 1}
-    assert ledger.taken == {f"w-{i:06d}" for i in range(303)} | {"v-000000"}
+    now(listed_s=6)  # w grew within 5 s: no whole listing, and w's listing starts past 301
+    assert taken() == [] and returned == [1, 1, 0]
+    now(quiet_s=6, listed_s=6)  # w quiet for 6 s: the whole listing finds both, the oldest first
+    assert taken() == ["v-000000.0", "w-000301.0"] and len(returned) == 3 and buffer.next == {"w": 303, "v": 1}
+    assert ledger.taken == {f"{w}{part}" for w in [f"w-{i:06d}" for i in range(303)] + ["v-000000"] for part in ("", ".0")}
 
 
 def test_a_generator_looks_for_DONE_only_while_no_live_lease_says_a_trainer_runs(s3_bucket):

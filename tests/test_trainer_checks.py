@@ -77,7 +77,7 @@ def test_a_sampler_that_served_other_weights_than_the_version_it_names_is_quaran
     assert "POLICY MISMATCH: 16 groups quarantined, not sampled with the weights they name (v[0]" in out.stdout
     record = train_records(mine)[0]
     assert record["sample/policy_mismatch"] == 16 and record["sample/policy_mismatch_total"] == 16
-    assert sorted(record["group_ids"]) == [f"replica-{i:06d}" for i in range(16, 32)], "only the honest ones trained"
+    assert sorted(record["group_ids"]) == sorted(f"replica-000016.{i}" for i in range(16)), "only the honest ones trained"
     assert len([f for f in Storage(mine).list("bad") if f.endswith(".reason.txt")]) == 16
 
 
@@ -151,5 +151,5 @@ def test_a_group_scored_by_another_grader_is_quarantined_by_name(tmp_path):
     buffer.write([group, Group(**{**group.__dict__, "grader": "exact match"})], "g", seq=0)
     taken = buffer.take(2, Ledger(), partial(check_group, run=run, vocab_size=16, version=0), stats)
     assert [g.grader for g in taken] == ["exact match"] and stats["bad_total"] == 1
-    reason = storage.get("bad/g-000000.reason.txt").decode()
+    reason = storage.get("bad/g-000000.0.reason.txt").decode()
     assert "grader: scored by 'math-verify 0.0', the run's is 'exact match'" in reason

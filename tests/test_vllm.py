@@ -22,7 +22,7 @@ import time
 import pytest
 import requests
 import torch
-from conftest import ROOT, eval_records, free_port, gen_records, publish_v0, start, train_records
+from conftest import ROOT, eval_records, free_port, gen_records, publish_v0, rollout_groups, start, train_records
 
 from minigrpo.engine import SamplingParams
 from minigrpo.model import DEMO_MODEL
@@ -338,7 +338,6 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(rep
     from minigrpo.lora import inject_lora, load_adapter
     from conftest import sequence_logprobs
     from minigrpo.model import load_model
-    from minigrpo.rollouts import read_group
     model, _ = load_model(MODEL, torch.device("cpu"))
     inject_lora(model, 8, 16.0)
     for run, seed in (("a", 1), ("b", 2)):  # one after the other, on the same replicas
@@ -347,8 +346,7 @@ def test_two_runs_on_one_pair_of_replicas_each_sample_with_their_own_weights(rep
                            ["--max_steps", "6", "--seed", str(seed), "--lr", "0.03", "--groups_per_step", "4",
                             "--eval_every", "100", "--eval_size", "20", "--loss_type", "grpo"])  # lr 0.03 may collapse
         storage, rid, near, far = Storage(run_dir), run_id(run_dir), [], []
-        for name in storage.list("rollouts"):  # groups sampled after the last step: recompute their log-probs
-            group = read_group(storage.get(f"rollouts/{name}"), name.removesuffix(".safetensors"))
+        for group in rollout_groups(storage).values():  # groups sampled after the last step: recompute their log-probs
             adapter = f"{run_dir}/adapters/policy-{rid}-v{group.policy_version:06d}"
             earlier = f"{run_dir}/adapters/policy-{rid}-v{group.policy_version - 1:06d}"
             weights = [f"{path}/adapter_model.safetensors" for path in (adapter, earlier)]  # retention keeps the names
@@ -419,7 +417,7 @@ def test_replicas_serving_other_weights_under_the_expected_names_are_caught_befo
     assert [r["step"] for r in steps] == [1, 2, 3] and honest, out[-3000:]
     assert all(g.startswith("liar-") for g in steps[0]["group_ids"]), steps[0]["group_ids"]  # version 0: honest
     version_of = {r["batch"]: r["policy_version"] for r in gen_records(run_dir, "liar")}  # 8 groups a batch
-    late = [g for r in steps for g in r["group_ids"] if g.startswith("liar-") and version_of[int(g[-6:]) // 8 + 1]]
+    late = [g for r in steps for g in r["group_ids"] if g.startswith("liar-") and version_of[int(g.rsplit(".", 1)[0][-6:]) + 1]]
     reasons = [storage.get(f"bad/{n}").decode() for n in storage.list("bad") if n.endswith(".reason.txt")]
     gaps = [float(re.search(r"of ([0-9.]+) a token", r)[1]) for r in reasons]  # printed to 4 digits: 0.0100 is above 0.01
     assert reasons and all(r.startswith("'liar-") and "PolicyMismatch" in r and "v0's" not in r for r in reasons), reasons
