@@ -1,5 +1,5 @@
 """generate.py: the generation side. Samples G completions per prompt with the adapter RUN/adapters/LATEST names,
-scores them and writes each batch of groups as one object into RUN/rollouts/. It shares only the run directory: run any number, anywhere.
+scores them and writes a batch's groups as one object in RUN/rollouts/. It shares only the run directory: run any number.
 
     python generate.py & python train.py                                  # the demo, one CPU machine
     python generate.py --run_dir s3://bucket/run1 --device cuda:0         # one generator per GPU, any machine
