@@ -154,13 +154,16 @@ def test_a_lease_claiming_an_epoch_past_six_digits_is_refused_in_one_line(tmp_pa
 
 
 # ---- the policy audit of every version, end to end ----
-LIAR = ("import sys; sys.argv[0] = 'generate.py'; import minigrpo.engine as e, generate; "
-        "e.TorchEngine.load_adapter = lambda self, v, path: setattr(self, 'version', v); generate.main()")  # base model
+LIAR = ("import sys, torch; sys.argv[0] = 'generate.py'; import minigrpo.engine as e, generate; init = e.TorchEngine.__init__; "
+        "e.TorchEngine.load_adapter = lambda self, v, path: setattr(self, 'version', v); {}generate.main()")
+LIARS = {"liar": LIAR.format(""),  # names each new version, samples with the base model: honest at v0 only
+         "impostor": LIAR.format("e.TorchEngine.__init__ = lambda self, m, *a: (init(self, m, *a), torch.manual_seed(1), "
+                                 "[p.data.add_(torch.randn_like(p), alpha=0.02) for p in m.parameters()]) and None; ")}
 
 
 def run_fleet(run_dir, generators, train_flags, dtype="float32") -> tuple[list[dict], str]:
-    """train.py with generators beside it (`liar`: names each new version, samples with the base model): (records, out)."""
-    procs = [subprocess.Popen([sys.executable, *(["-c", LIAR] if g == "liar" else ["generate.py"]), "--run_dir", run_dir,
+    """train.py with generators beside it (LIARS: samples with other weights than it names): (records, out)."""
+    procs = [subprocess.Popen([sys.executable, *(["-c", LIARS[g]] if g in LIARS else ["generate.py"]), "--run_dir", run_dir,
                                "--generator_id", f"{g}{i}", "--generator_dtype", dtype, "--max_ready", "16"], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i, g in enumerate(generators)]
     try:
@@ -193,9 +196,11 @@ def test_a_base_model_generator_running_ahead_of_the_trainer_is_caught_within_3_
 
 
 def test_one_lying_generator_among_three_is_caught_and_only_it(tmp_path):
+    """The impostor samples with other weights from v0 on. A base-model liar is honest at v0, and the trainer takes a
+    round's objects in writer-name order, so on a loaded machine 4 steps could end before its first lie is taken."""
     run_dir = str(tmp_path / "run")
-    records, _ = run_fleet(run_dir, ["honest", "honest", "liar"], ["--max_steps", "4", "--groups_per_step", "16"])
-    assert sum(r["sample/policy_mismatch"] for r in records) > 0 and caught_writers(run_dir) == {"liar2"}
+    records, out = run_fleet(run_dir, ["honest", "honest", "impostor"], ["--max_steps", "4", "--groups_per_step", "16"])
+    assert sum(r["sample/policy_mismatch"] for r in records) > 0 and caught_writers(run_dir) == {"impostor2"}, out[-3000:]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
