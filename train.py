@@ -82,7 +82,7 @@ from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats):
     """(groups_per_step fresh groups that passed the audit, those it quarantined, wait s). Stale, caught and (dapo)
     zero-std groups are consumed and counted; every 5 polls the lease says what waits and asks one more per drop."""
-    t0, last_seen, told, groups, caught, taken_n, said = time.time(), time.time(), 0.0, [], [], 0, 0
+    t0, last_seen, told, groups, caught, taken_n, said = time.time(), time.time(), time.time(), [], [], 0, 0
     while len(groups) < cfg.groups_per_step:
         taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
         taken_n, kept = taken_n + len(taken), len(groups)
@@ -104,8 +104,7 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats)
                 raise SystemExit(f"no fresh group to learn from (dapo: unequal rewards) in {where} for "
                                  f"{cfg.wait_timeout_s:.0f}s. Consumed: {why} {stats}")
             print(f"waited {waited:.0f}s for a fresh group in {where}; consumed: {why} {stats}", flush=True)
-        if not taken:
-            time.sleep(buffer.storage.poll_s)
+        time.sleep(0 if taken else buffer.storage.poll_s)  # nothing new: look again in a poll
         if len(groups) < cfg.groups_per_step and time.time() - told > 5 * buffer.storage.poll_s:  # backpressure
             lease.write(**buffer.progress(lease.timeout_s), groups_per_step=cfg.groups_per_step + taken_n - len(groups))
             told = time.time()
@@ -233,6 +232,7 @@ def publish(store, lease, model, version, config, run, step) -> tuple[int, float
     version = store.write(version, finite_weights(model), config)
     fault("before_latest", step)
     lease.fenced(store.set_latest, version, keep=run.max_staleness + 1)
+    lease.write(version=version)  # generators read LATEST's version here, with the lease they read before each batch
     return version, time.time() - t0
 
 

@@ -94,7 +94,8 @@ def profile(steps: int):
             timing = demo(str(ROOT), "s3://bench-profile/run", steps, env)
             moto_cpu = cpu_s(moto.pid) - moto_cpu
             counts = {}
-            for method, path in re.findall(r'"(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP', open(f"{tmp}/moto.log").read()):
+            for method, path in re.findall(r'"(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP',  # colours stripped (werkzeug paints 206s, 404s)
+                                          re.sub(r"\x1b\[[\d;]*m", "", open(f"{tmp}/moto.log").read())):
                 key = path.split("?")[0].removeprefix("/bench-profile").removeprefix("/run").strip("/")
                 kind = "a listing" if "list-type" in path else "delete (batched)" if method == "POST" else \
                     f"{method} {key.split('/')[0] + ('/*' if '/' in key else '')}"

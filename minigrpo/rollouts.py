@@ -142,8 +142,7 @@ class RolloutBuffer:
         """Up to n of the oldest groups the ledger has not seen, recorded in it; one that fails is quarantined."""
         stats = {} if stats is None else stats
         if len(self.ready) < n:  # list only if fewer than n wait: a listing is a bucket's costliest request
-            # rollouts/ keeps consumed objects until garbage collection: on S3, list each known writer from its first object
-            # not yet seen (they come in order); all of it every 30 s (5 s once none grew for 5 s): new writers, late objects
+            # S3: each writer's objects past its newest seen (consumed ones stay until GC); all every 30 s (5 s if quiet)
             quiet = time.monotonic() - max(self.active.values(), default=0.0) > 5
             if full := not self.storage.s3 or not self.next or time.monotonic() - self.full_at > (5 if quiet else 30):
                 self.full_at = time.monotonic()

@@ -139,7 +139,7 @@ def dead_here(lease: dict) -> bool:  # its trainer died here (host, boot, PID na
 
 
 LEASE = {"owner": "", "host": "", "boot": "", "pidns": 0, "pid": 0, "epoch": 0, "timeout_s": 60.0, "checkpoints": None, "waiting": -1,
-         "seen": {}, "writers": 0, "groups_per_step": 1}  # the fields readers rely on, and their defaults
+         "seen": {}, "writers": 0, "groups_per_step": 1, "version": -1}  # the fields readers rely on, and their defaults
 
 
 def lease_view(raw: bytes | None) -> dict:
