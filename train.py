@@ -82,7 +82,7 @@ from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats):
     """(groups_per_step fresh groups that passed the audit, those it quarantined, wait s). Stale, caught and (dapo)
     zero-std groups are consumed and counted; every 5 polls the lease says what waits and asks one more per drop."""
-    t0, last_seen, told, groups, caught, taken_n, said = time.time(), time.time(), time.time(), [], [], 0, 0
+    t0, last_seen, told, groups, caught, taken_n, said = time.time(), time.time(), 0.0, [], [], 0, 0
     while len(groups) < cfg.groups_per_step:
         taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
         taken_n, kept = taken_n + len(taken), len(groups)
