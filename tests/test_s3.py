@@ -8,7 +8,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import ROOT, publish_v0, train_records
+from conftest import ROOT, gen_records, publish_v0, train_records
 from test_rundir import make_group
 
 from minigrpo.rollouts import Ledger, RolloutBuffer, read_groups
@@ -103,6 +103,30 @@ def test_a_poll_on_s3_lists_only_what_is_new(s3_bucket):
     now(quiet_s=6, listed_s=6)  # w quiet for 6 s: the whole listing finds both, the oldest first
     assert taken() == ["v-000000.0", "w-000301.0"] and len(returned) == 3 and buffer.next == {"w": 303, "v": 1}
     assert ledger.taken == {f"{w}{part}" for w in [f"w-{i:06d}" for i in range(303)] + ["v-000000"] for part in ("", ".0")}
+
+
+def test_a_generator_reads_LATEST_only_while_no_live_lease_names_the_version(s3_bucket):
+    """Reading LATEST before every batch costs a GET on S3; the trainer writes the version it published into the
+    lease, which a generator reads before every batch anyway. Without a live lease, it reads LATEST."""
+    from minigrpo.run import Lease
+    run_dir = f"{s3_bucket}/run-latest"
+    publish_v0(run_dir)
+    code = ("import sys, generate, minigrpo.storage as s; keys, get = [], s.Storage.get\n"
+            "s.Storage.get = lambda self, key: keys.append(key) or get(self, key)\n"
+            f"sys.argv = ['generate.py', '--run_dir', {run_dir!r}, '--generator_id', 'g', '--max_batches', '3']\n"
+            "generate.main(); print('LATEST read', keys.count('adapters/LATEST'))")
+    def generate():
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return out.stdout[-2000:] + out.stderr[-2000:]
+    assert "LATEST read 3\n" in (out := generate()), out  # no trainer: before each batch
+    lease = Lease(Storage(run_dir), 60.0)
+    lease.acquire()
+    lease.write(version=0)  # as publish() does once LATEST names version 0
+    try:
+        assert "LATEST read 0\n" in (out := generate()), out
+    finally:
+        lease.release()
+    assert {r["policy_version"] for r in gen_records(run_dir, "g")} == {0}
 
 
 def test_a_generator_looks_for_DONE_only_while_no_live_lease_says_a_trainer_runs(s3_bucket):
