@@ -108,13 +108,13 @@ def main():
     batch, idle_since, skipped, made = 0, time.time(), set(), {}  # made: groups sampled per version
     while (not cfg.max_batches or batch < cfg.max_batches) and (watch.get("live") or not storage.exists("DONE")):
         waiting, lease = waiting_groups(buffer, watch, writer, batch, cfg.prompts_per_batch)
-        latest = lease["version"] if watch["live"] and lease["version"] >= 0 else store.latest()  # a live lease names LATEST's
+        newest = lambda: lease["version"] if watch["live"] and lease["version"] >= 0 else store.latest()  # a live lease: no GET
         if waiting > cfg.max_ready or (cfg.lockstep and made.get(engine.version, 0) >= lease["groups_per_step"]
-                                       and (latest or 0) <= engine.version):
+                                       and (newest() or 0) <= engine.version):
             time.sleep(poll_s)  # > --max_ready would wait, or (lock-step) this version made a step's groups
             continue
         backpressure_s, t0 = time.time() - idle_since, time.time()
-        if latest is not None and latest != engine.version and latest not in skipped:
+        if (latest := newest()) is not None and latest != engine.version and latest not in skipped:
             path = f"{cfg.replica_run_dir.rstrip('/') or storage.url()}/adapters/{store.name(latest)}"
             try:
                 engine.load_adapter(latest, path)

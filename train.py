@@ -319,7 +319,7 @@ def main():
                                             digest_of=store.digest, reward_range=getattr(task, "reward_range", (0.0, 1.0)))
         check = partial(audit, model, weights_of=lambda v: store.weights(v)[0], run=run, cfg=cfg, device=device)
         groups, caught, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, check, stats)
-        lease.write(**(queue := buffer.progress(lease.timeout_s)), step=step, version=version, groups_per_step=cfg.groups_per_step)
+        lease.write(**(queue := buffer.progress(lease.timeout_s)), step=step, groups_per_step=cfg.groups_per_step)
         staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains: not the record's
         (samples, rewards, lengths), t1, sync_s = build_samples(groups, run, cfg), time.time(), 0.0
         m, fwd_bwd_s = train_step(model, optimizer, share(samples, waiting), run, cfg, device, 0, world), time.time() - t1
