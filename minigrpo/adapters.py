@@ -48,7 +48,7 @@ class AdapterStore:
     def set_latest(self, version: int, keep: int):
         """Point LATEST at a version if it still holds this store's last write (after a refusal and the fence's look at the lease:
         what it holds now), then delete weights that left the window a publish ago (a server may re-read an evicted adapter)."""
-        token, self.token = self.token or self.storage.versioned("adapters/LATEST")[1], None  # None until it lands
+        token, self.token = self.token or self.storage.versioned("adapters/LATEST", read=False)[1], None  # None until it lands
         self.token = self.storage.swap("adapters/LATEST", self.name(version) + "\n", token)
         old = range(max(0, version - keep - 1) if self.kept_from is None else self.kept_from, version - keep)
         self.storage.delete([f"adapters/{self.name(v)}/adapter_model.safetensors" for v in old])

@@ -197,7 +197,7 @@ class Lease:
         disk (both under the run's lock), right before it elsewhere. A refused conditional write is checked again."""
         for refused in ((FileExistsError,), ()):  # the second time nothing is suppressed
             with self.lock, self.storage.locked():
-                if self.storage.versioned("owner.json")[1] != self.token:
+                if self.storage.versioned("owner.json", read=False)[1] != self.token:
                     self.lost()
                 with contextlib.suppress(*refused):
                     return write(*args, **kwargs)

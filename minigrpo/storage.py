@@ -73,11 +73,11 @@ class Storage:
         with ThreadPoolExecutor(16) as pool:  # exception() waits for its read
             return [read.exception() or read.result() for read in [pool.submit(self.get, key) for key in keys]]
 
-    def versioned(self, key: str) -> tuple[bytes | None, str | None]:  # the token: S3's ETag, elsewhere the bytes' sha256
+    def versioned(self, key: str, read=True) -> tuple[bytes | None, str | None]:  # token: S3's ETag, else the bytes' sha256
         with contextlib.suppress(FileNotFoundError):
-            with self._naming("read", key):  # the ETag first: bytes newer than it only make a swap fail
+            with self._naming("read", key):  # the ETag first (read=False: alone, a HEAD); newer bytes only fail a swap
                 etag = self.fs.info(f"{self.root}/{key}")["ETag"] if self.s3 else None
-            return (data := self.get(key)), etag if self.s3 else hashlib.sha256(data).hexdigest()
+            return (None if etag and not read else (data := self.get(key))), etag or hashlib.sha256(data).hexdigest()
         return None, None
 
     def swap(self, key: str, data: bytes | str, token: str | None) -> str:

@@ -65,6 +65,8 @@ def test_a_read_on_s3_is_one_request_whatever_its_size(s3_bucket):
     assert calls == ["get_object", "get_object"]
     calls.clear()
     assert storage.versioned("small")[0] == b"x" * 10 and calls == ["head_object", "get_object"]
+    assert storage.versioned("small", read=False) == (None, storage.versioned("small")[1])  # a fence needs the token alone
+    assert calls[2:] == ["head_object", "head_object", "get_object"]
     with pytest.raises(FileNotFoundError):
         storage.get("absent")
 
