@@ -11,11 +11,14 @@ CPU moto spent, and times single requests (a PUT and a GET of 6 kB, one group, a
 listing) one after another, with the CPU each costs moto and the client: bench/results/bucket_profile.json.
 
 Reported per target: the wall time of the whole run, the mean step time (evaluation left out) over the first 50 steps
-and over the last 50, and the mean rollout wait; then each bucket target's ratio to the folder run of the same turn.
+and over the last 50, the mean rollout wait, and the CPU seconds a step of the trainer, the generator and moto
+together (and moto's alone): on 2 cores that sum bounds the step; then each bucket target's ratio to the folder run
+of the same turn.
 """
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -48,9 +51,10 @@ def start_moto(log=subprocess.DEVNULL) -> tuple[subprocess.Popen, dict]:
     return proc, env
 
 
-def demo(root: str, run_dir: str, steps: int, env: dict) -> dict:
-    """One demo run; returns its timings from the trainer's records."""
-    env = os.environ | env
+def demo(root: str, run_dir: str, steps: int, env: dict, server: int | None = None) -> dict:
+    """One demo run; returns its timings from the trainer's records, and the CPU seconds a step that the trainer, the
+    generator and the server (its pid; moto shares this machine's cores) spent over the whole run."""
+    env, before = os.environ | env, (resource.getrusage(resource.RUSAGE_CHILDREN), server and cpu_s(server))
     gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir], cwd=root, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
@@ -63,12 +67,16 @@ def demo(root: str, run_dir: str, steps: int, env: dict) -> dict:
         gen.wait(timeout=300)
     finally:
         gen.kill()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # both processes, reaped
+    clients = after.ru_utime + after.ru_stime - before[0].ru_utime - before[0].ru_stime
+    moto = cpu_s(server) - before[1] if server else 0.0
     os.environ.update(env)  # train_records reads the bucket through s3fs
     records = train_records(run_dir)
     step_s = [r["perf/step_s"] - r.get("perf/eval_s", 0.0) for r in records]
     last = f"step_s_{max(1, steps - 49)}_{steps}"  # the last 50 steps, against the first 50
     return {"wall_s": wall, "step_s_1_50": statistics.mean(step_s[:50]), last: statistics.mean(step_s[-50:]),
-            "wait_s": statistics.mean(r["perf/rollout_wait_s"] for r in records)}
+            "wait_s": statistics.mean(r["perf/rollout_wait_s"] for r in records), "cpu_s_step": (clients + moto) / steps,
+            "server_cpu_s_step": moto / steps}
 
 
 def summary(runs: list[dict]) -> dict:
@@ -151,7 +159,7 @@ if __name__ == "__main__":
                         run_dir = f"s3://{b}/run"
                     else:
                         run_dir = os.path.join(tmp, "run")
-                    runs[name].append(demo(root, run_dir, args.steps, env if bucket else {}))
+                    runs[name].append(demo(root, run_dir, args.steps, env if bucket else {}, moto.pid if bucket else None))
                 print(name, i, json.dumps(runs[name][-1]), flush=True)
     finally:
         moto.kill()
@@ -159,7 +167,8 @@ if __name__ == "__main__":
     for name, r in runs.items():  # each bucket run against the folder run of its turn
         if name != "local":
             rows.append({"target": f"{name} / local", "steps": args.steps, "runs": len(r), **summary(
-                [{k: v / runs["local"][i][k] for k, v in run.items() if k != "wait_s"} for i, run in enumerate(r)])})
+                [{k: v / runs["local"][i][k] for k, v in run.items() if k not in ("wait_s", "server_cpu_s_step")}
+                 for i, run in enumerate(r)])})
     report(args.name, rows, notes=f"mean ± sd over {args.repeats} runs each, in turns; step_s excludes evaluation. "
            f"Command: python bench/bench_bucket.py --steps {args.steps} --repeats {args.repeats}"
            + (" --baseline DIR" if args.baseline else ""), extra={"runs": runs})
