@@ -56,11 +56,9 @@ from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
 def waiting_groups(buffer: RolloutBuffer, watch: dict, writer: str, written: int, batch: int) -> tuple[int, dict]:
-    """(groups waiting once this generator writes its next batch, so that N generators stay within --max_ready; the
-    lease). A live lease (changed within its timeout) says what waited at the trainer's last listing, each writer's last
-    object (a batch) it listed, the N writers, each taking 1/N of the room; 0 while the trainer wants more. Else, or
-    before the trainer saw this generator's objects, the listing of rollouts/ (written: this generator's objects).
-    watch: the lease's last bytes, since when (this process's clock) they have not changed, and whether that is live."""
+    """(groups waiting once this generator writes its next batch, the lease). A live lease (unchanged for less than its
+    timeout on this clock: watch) says what waited at the trainer's last listing, each writer's last object listed and
+    the N writers, each taking 1/N of --max_ready; 0 while the trainer wants more. Else, or before it listed ours: rollouts/."""
     raw = None
     with contextlib.suppress(FileNotFoundError, ValueError):
         raw = buffer.storage.get("owner.json")
@@ -107,7 +105,11 @@ def main():
     watch = {"raw": None, "since": time.monotonic()}  # while the lease is live, no look for DONE (2 requests on S3)
     batch, idle_since, skipped, made = 0, time.time(), set(), {}  # made: groups sampled per version
     while (not cfg.max_batches or batch < cfg.max_batches) and (watch.get("live") or not storage.exists("DONE")):
-        waiting, lease = waiting_groups(buffer, watch, writer, batch, cfg.prompts_per_batch)
+        if watch.get("live") and time.monotonic() - read_at < poll_s and waiting + grow <= cfg.max_ready:
+            waiting += grow  # a live lease read within a poll, with room: count this batch, not read it again (a request)
+        else:
+            waiting, lease = waiting_groups(buffer, watch, writer, batch, cfg.prompts_per_batch)
+            grow, read_at = (lease["writers"] + 1) * cfg.prompts_per_batch, time.monotonic()  # errs high: N + 1 writers
         newest = lambda: lease["version"] if watch["live"] and lease["version"] >= 0 else store.latest()  # a live lease: no GET
         if waiting > cfg.max_ready or (cfg.lockstep and made.get(engine.version, 0) >= lease["groups_per_step"]
                                        and (newest() or 0) <= engine.version):

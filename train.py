@@ -8,10 +8,9 @@ into RUN/adapters/ every --sync_every steps. The run directory is the only thing
     torchrun --nproc_per_node 4 train.py ...            # data-parallel on 4 GPUs (rank 0 reads and publishes)
     (killed? run the same command again: it resumes from the newest intact checkpoint in RUN/checkpoints/)
 
-Where it departs from the GRPO paper, on purpose: old_logp is the generator's own log-prob of each token (TRL's
-AsyncGRPO; --old_logp recompute: the current weights, detached, with truncated importance sampling against the
-generator's); one optimizer step per batch, no PPO epochs; no reference model or KL penalty (DAPO, Dr. GRPO); stale
-groups are dropped whole and counted, never reweighted."""
+Where it departs from the GRPO paper, on purpose: old_logp is the generator's log-prob of each token (TRL's AsyncGRPO;
+--old_logp recompute: these weights, detached, with truncated importance sampling against it); one optimizer step a
+batch, no PPO epochs; no reference model, no KL (DAPO, Dr. GRPO); stale groups are dropped whole, never reweighted."""
 import math
 import os
 import time

@@ -1,8 +1,7 @@
 """The rollout record and buffer: the only data that flows from generators to the trainer. A generator's batch of groups
 (G completions of one prompt each, sampled with one adapter version) is one safetensors object, written once and never
 moved: RUN/rollouts/<writer>-<seq>.safetensors (a bucket bills requests). Group j in it, <writer>-<seq>.<j>, is its
-tensors "<j>.<name>" and metadata "<j>.<field>". Also: the Ledger, quarantine, garbage collection (README, "The run
-directory")."""
+tensors "<j>.<name>" and metadata "<j>.<field>". Also: the Ledger, quarantine, garbage collection (README)."""
 import collections
 import errno
 import hashlib

@@ -109,23 +109,24 @@ def test_a_poll_on_s3_lists_only_what_is_new(s3_bucket):
 
 def test_a_generator_reads_LATEST_only_while_no_live_lease_names_the_version(s3_bucket):
     """Reading LATEST before every batch costs a GET on S3; the trainer writes the version it published into the
-    lease, which a generator reads before every batch anyway. Without a live lease, it reads LATEST."""
+    lease, which a generator reads anyway. Without a live lease, it reads LATEST. And it reads a live lease at most
+    once a poll while the count it took leaves room (--poll_s 60: once in these 3 batches)."""
     from minigrpo.run import Lease
     run_dir = f"{s3_bucket}/run-latest"
     publish_v0(run_dir)
     code = ("import sys, generate, minigrpo.storage as s; keys, get = [], s.Storage.get\n"
             "s.Storage.get = lambda self, key: keys.append(key) or get(self, key)\n"
-            f"sys.argv = ['generate.py', '--run_dir', {run_dir!r}, '--generator_id', 'g', '--max_batches', '3']\n"
-            "generate.main(); print('LATEST read', keys.count('adapters/LATEST'))")
+            f"sys.argv = ['generate.py', '--run_dir', {run_dir!r}, '--generator_id', 'g', '--max_batches', '3', '--poll_s', '60']\n"
+            "generate.main(); print('LATEST read', keys.count('adapters/LATEST'), 'lease read', keys.count('owner.json'))")
     def generate():
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
         return out.stdout[-2000:] + out.stderr[-2000:]
-    assert "LATEST read 3\n" in (out := generate()), out  # no trainer: before each batch
+    assert "LATEST read 3 lease read 3\n" in (out := generate()), out  # no trainer: before each batch
     lease = Lease(Storage(run_dir), 60.0)
     lease.acquire()
     lease.write(version=0)  # as publish() does once LATEST names version 0
     try:
-        assert "LATEST read 0\n" in (out := generate()), out
+        assert "LATEST read 0 lease read 1\n" in (out := generate()), out
     finally:
         lease.release()
     assert {r["policy_version"] for r in gen_records(run_dir, "g")} == {0}
