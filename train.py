@@ -9,7 +9,7 @@ into RUN/adapters/ every --sync_every steps. The run directory is the only thing
     (killed? run the same command again: it resumes from the newest intact checkpoint in RUN/checkpoints/)
 
 Where it departs from the GRPO paper, on purpose: old_logp is the generator's log-prob of each token (TRL's AsyncGRPO;
---old_logp recompute: these weights, detached, with truncated importance sampling against it); one optimizer step a
+--old_logp recompute: these weights, detached, with truncated importance sampling against mu); one optimizer step a
 batch, no PPO epochs; no reference model, no KL (DAPO, Dr. GRPO); stale groups are dropped whole, never reweighted."""
 import math
 import os
