@@ -65,11 +65,11 @@ def grpo_loss(logp: torch.Tensor, batch: Batch, cfg: LossConfig, max_new_tokens:
     with torch.no_grad():  # 0-d tensors, as masked sums: no host sync (train_step reads them all once a step)
         valid, n, log_v = mask.bool(), mask.sum(), logp - behav_logp  # v = pi_theta / mu: the health signals above
         v, mean = torch.exp(log_v.clamp(-40, 40)), lambda x: torch.where(valid, x, 0).float().sum() / n.clamp(min=1)  # noqa: E731
-        metrics = {"tokens": n, "ratio/mean": mean(ratio),
+        metrics = {"tokens": n, "ratio/mean": mean(ratio), "health/v_mean": mean(v), "health/v_sq_mean": mean(v * v),
                    "ratio/min": ratio.masked_fill(~valid, math.inf).min(), "ratio/max": ratio.masked_fill(~valid, -math.inf).max(),
                    "clip_ratio/low": mean((ratio < 1 - cfg.eps_low) & (A < 0)),
                    "clip_ratio/high": mean((ratio > 1 + cfg.eps_high) & (A > 0)),
-                   "health/v_mean": mean(v), "health/v_sq_mean": mean(v * v), "health/mismatch_kl": mean((v - 1) - log_v),
+                   "health/mismatch_kl": mean((v - 1 - log_v).clamp(min=0)),  # each term >= 0; float32 dips below near v = 1
                    "health/far_frac": mean(log_v.abs() > math.log(2))}  # combine_metrics adds health/ess_frac
         if cfg.tis_cap is not None:
             metrics |= {"is/mean": mean(is_ratio), "is/frac_capped": mean(is_ratio > cfg.tis_cap)}

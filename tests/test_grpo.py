@@ -221,6 +221,13 @@ def test_health_of_equal_weights_is_perfect():
     close([m["health/ess_frac"], m["health/mismatch_kl"], m["health/far_frac"]], [1.0, 0.0, 0.0])
 
 
+def test_mismatch_kl_is_never_negative_where_float32_rounds_v_to_1():
+    # log v = 3e-8 (a vLLM log-prob a rounding away from the trainer's): exp rounds v to exactly 1 in float32, so
+    # (v - 1) - log v, unclamped, is -6e-8 a token; a KL is >= 0, and a test once failed on -4e-10
+    assert health_of([3e-8] * 4)["health/mismatch_kl"] == 0.0
+    assert health_of([1e-6] * 4)["health/mismatch_kl"] > 0  # above the rounding it still counts
+
+
 def test_health_of_a_known_mismatch_combines_across_micro_batches():
     # log v = ln 3 on one token, 0 on the other: v = (3, 1), ESS/N = 4^2 / (2 * 10) = 0.8,
     # k3 = ((3 - 1 - ln 3) + 0) / 2 = 0.45069, and one token of two is more than 2x off
