@@ -209,6 +209,17 @@ def s3_bucket(s3_endpoint):
     return f"s3://{name}"
 
 
+@pytest.fixture(params=["local", "memory", "s3"])
+def storage(request, tmp_path):
+    """A run directory on a local disk, in memory, and on a real S3 server (moto) on loopback."""
+    import uuid
+
+    from minigrpo.storage import Storage
+    if request.param == "s3":  # a real S3 server (moto) on loopback
+        return Storage(request.getfixturevalue("s3_bucket") + "/run")
+    return Storage(str(tmp_path / "run") if request.param == "local" else f"memory://{uuid.uuid4().hex}")
+
+
 def file_digest(path) -> str:
     """What the trainer recomputes: sha256 of the adapter's weights file, 16 hex digits."""
     import hashlib
@@ -228,3 +239,42 @@ def raw_authorization(url: str, value: bytes):
     status, text = r.status, r.read().decode()
     conn.close()
     return status, json.loads(text)
+
+
+# ---- real vLLM (tests/vllm_replicas.py): replicas, the proxy in front of them, and minigrpo's server beside them ----
+@pytest.fixture(scope="session")
+def replicas(tmp_path_factory):
+    """Two real replicas, started together (about 40 s on a quiet 2-core machine), stopped at the end."""
+    from vllm_replicas import Replica, vllm_python
+    python, logs, fleet = vllm_python(), tmp_path_factory.mktemp("vllm-logs"), []
+    try:
+        fleet = [Replica(python, logs / f"replica{i}.log") for i in range(2)]
+        for r in fleet:
+            r.wait()
+        yield fleet
+    finally:
+        for r in fleet:
+            r.stop()
+
+
+@pytest.fixture(scope="session")
+def proxy(replicas):
+    from vllm_replicas import KEY
+    port = free_port()
+    proc = start(["proxy.py", "--upstream", replicas[0].url, "--upstream", replicas[1].url, "--port", str(port),
+                  "--api_key", KEY, "--retry_s", "0.2", "--load_timeout_s", "3"], port)
+    yield f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="session")
+def pair(replicas):
+    """(vLLM, minigrpo): replica 0 asked directly, and minigrpo's server on the same model with the same LoRA flags."""
+    from vllm_replicas import MODEL
+    port = free_port()
+    proc = start(["-m", "minigrpo.replica.serve", "--model", MODEL, "--port", str(port), "--max_lora_rank", "8",
+                  "--max_loras", "6", "--max_cpu_loras", "8"], port)
+    yield replicas[0].url, f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait()

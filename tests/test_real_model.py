@@ -15,7 +15,7 @@ import sys
 
 import pytest
 from conftest import ROOT, free_port, rollout_groups, start, train_records
-from test_vllm import KEY, SERVE_FLAGS, Replica, run_id, vllm_python
+from vllm_replicas import KEY, SERVE_FLAGS, Replica, run_id, vllm_python
 
 from minigrpo.storage import Storage
 from minigrpo.tasks import MathTask, prompt_ids
