@@ -5,17 +5,15 @@ replica that holds its prefix.
     python -m pytest -q tests/test_multiturn.py
 """
 import json
-import os
 import random
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
 import torch
-from conftest import ROOT, free_port, start, tiny_model
+from conftest import ROOT, free_port, start
 from transformers import AutoTokenizer
 
 from minigrpo.engine import Completion, SamplingParams, TorchEngine
@@ -24,7 +22,7 @@ from minigrpo.model import DEMO_MODEL, load_model, packed_logprobs, stop_token_i
 from minigrpo.packing import Sample, collate
 from minigrpo.rollouts import Group, read_groups, to_tensors
 from minigrpo.run import RunSettings
-from minigrpo.tasks import Calculator, Problem, ReverseAddition, calculate, make_task, prompt_ids, reply_ids, rollout
+from minigrpo.tasks import Calculator, Problem, ReverseAddition, calculate, make_task, prompt_ids, rollout
 from safetensors.torch import save
 from test_train_step import lora_model  # the same tiny LoRA model at every call: the sampler's and the trainer's
 from train import TrainConfig, build_samples, train_step
