@@ -103,7 +103,7 @@ def main():
     if meta.get("grader") and meta["grader"] != task.grader:  # rewards from two graders would mix in one run
         raise SystemExit(f"this generator grades with {task.grader}, the run with {meta['grader']}: install the same")
     watch = {"raw": None, "since": time.monotonic()}  # while the lease is live, no look for DONE (2 requests on S3)
-    batch, idle_since, skipped, made, waiting, grow, read_at = 0, time.time(), set(), {}, 0, 0, 0.0  # made: per version
+    batch, idle_since, skipped, made, waiting, grow, read_at = 0, time.time(), set(), {}, 0, 0, 0.0  # made: groups a version
     while (not cfg.max_batches or batch < cfg.max_batches) and (watch.get("live") or not storage.exists("DONE")):
         if watch.get("live") and time.monotonic() - read_at < poll_s and waiting + grow <= cfg.max_ready:
             waiting += grow  # a live lease read within a poll, with room: count this batch, not read it again (a request)

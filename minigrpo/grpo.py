@@ -13,7 +13,7 @@ B and sum_i |o_i| are those of the whole optimizer batch, given as Batch.num_seq
 
 Off-policy health over the sampled tokens, v = pi_theta / mu (mu: the sampler; slime and prime-rl report the same):
     health/ess_frac         (sum v)^2 / (N sum v^2)   effective sample size over the N tokens: 1 when v is constant
-    health/mismatch_kl      mean((v - 1) - log v)     k3 estimate of KL(mu || pi_theta): 0 when they agree
+    health/mismatch_kl      mean((v - 1) - log v)     k3 estimate of KL(mu || pi_theta), each term clamped at 0
     health/far_frac         share of |log v| > ln 2   tokens whose probability differs by more than 2x"""
 import math
 from dataclasses import dataclass

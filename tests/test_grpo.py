@@ -222,8 +222,8 @@ def test_health_of_equal_weights_is_perfect():
 
 
 def test_mismatch_kl_is_never_negative_where_float32_rounds_v_to_1():
-    # log v = 3e-8 (a vLLM log-prob a rounding away from the trainer's): exp rounds v to exactly 1 in float32, so
-    # (v - 1) - log v, unclamped, is -6e-8 a token; a KL is >= 0, and a test once failed on -4e-10
+    # log v about 6e-8 after health_of's float32 round trip (a vLLM log-prob a rounding away from the trainer's): exp
+    # rounds v to exactly 1, so (v - 1) - log v, unclamped, is -6e-8 a token; a KL is >= 0, and a test failed on -4e-10
     assert health_of([3e-8] * 4)["health/mismatch_kl"] == 0.0
     assert health_of([1e-6] * 4)["health/mismatch_kl"] > 0  # above the rounding it still counts
 
