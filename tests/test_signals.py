@@ -1,6 +1,7 @@
 """Ctrl-C on the README's demo command, `(python generate.py & python train.py)`, stops the generator too: a background
-job of a non-interactive shell starts with SIGINT ignored, so generate.py restores the default handler itself. Both
-say so in one line, without a traceback.
+job of a non-interactive shell starts with SIGINT ignored, so generate.py restores the default handler itself, and so
+does train.py, whose shell may have been such a job (CI once ran the suite so, and the trainer ran on). Both say so in
+one line, without a traceback.
 
     python -m pytest -q tests/test_signals.py        # about half a minute on a 2-core CPU
 """
@@ -34,7 +35,8 @@ def test_ctrl_c_on_the_demo_command_stops_the_background_generator_with_one_line
     command = (f"({py} generate.py --run_dir {q(str(run_dir))} > {q(str(gen_log))} 2>&1 & echo $! > {q(str(gen_pid))}; "
                f"{py} train.py --run_dir {q(str(run_dir))} > {q(str(tmp_path / 'train.log'))} 2>&1)")
     shell = subprocess.Popen(["bash", "-c", command], cwd=ROOT, start_new_session=True,  # its own process group
-                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"),  # started as a script's background job is:
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # with SIGINT ignored
     try:
         deadline = time.time() + 180
         while "completions per batch" not in read(gen_log):  # the generator's start line: it is in its loop
