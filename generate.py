@@ -8,7 +8,6 @@ scores them and writes a batch's groups as one object in RUN/rollouts/. It share
 import contextlib
 import os
 import random
-import signal
 import socket
 import time
 import uuid
@@ -152,7 +151,6 @@ def main():
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with SIGINT ignored
     try:
         main()
     except (ServerError, OSError) as e:  # a server that stayed unreachable, a full disk, a refused bucket

@@ -13,7 +13,6 @@ Where it departs from the GRPO paper, on purpose: old_logp is the generator's lo
 batch, no PPO epochs; no reference model, no KL (DAPO, Dr. GRPO); stale groups are dropped whole, never reweighted."""
 import math
 import os
-import signal
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -218,10 +217,11 @@ def evaluate(engine, tokenizer, task, problems, run, seed, batch_tokens, rank=0,
 
 
 def finite_weights(model) -> dict:  # the LoRA tensors to publish or save
-    if bad := [k for k, v in lora_state_dict(model).items() if not torch.isfinite(v).all()]:
+    state = lora_state_dict(model)
+    if bad := [k for k, v in state.items() if not torch.isfinite(v).all()]:
         raise SystemExit(f"the LoRA weights hold NaN or infinite values ({bad[0]}): nothing more is published or "
                          f"saved; run the same command to resume from the last checkpoint, with a lower --lr")
-    return lora_state_dict(model)  # detached views of the weights: building the dict twice costs nothing
+    return state
 
 
 def publish(store, lease, model, version, config, run, step) -> tuple[int, float]:
@@ -271,7 +271,8 @@ def main():
     inject_lora(model, run.lora_r, run.lora_alpha, run.lora_targets)
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})  # no input gradients needed
-    optimizer = torch.optim.AdamW(params := [p for p in model.parameters() if p.requires_grad], cfg.lr, weight_decay=cfg.weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     engine = TorchEngine(model, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     lease = Lease(storage, cfg.lease_timeout_s, groups_per_step=cfg.groups_per_step) if rank == 0 else None
     if lease and (old := lease.acquire()):  # the job's ranks share rank 0's; lock-step generators read its groups_per_step
@@ -370,7 +371,6 @@ def main():
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a job started in the background inherits SIGINT ignored
     try:
         main()
     except OSError as e:  # a full disk, a refused bucket, a vanished mount: one line, keep what is written

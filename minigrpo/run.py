@@ -62,6 +62,8 @@ class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
 
 
 def parse_config(*types, argv=None):  # the flags, one dataclass each; a bad flag or value: one line (exit 2), no usage
+    if argv is None:  # a script starting: Ctrl-C stops it even as a shell's background job, which starts with SIGINT ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__, formatter_class=HelpFormat)
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: {message} (--help lists the flags)\n")
     for f in [f for t in types for f in fields(t)]:  # str, int, float, bool, X | None, Literal or list[str]; metadata: help

@@ -1,7 +1,7 @@
 """Ctrl-C on the README's demo command, `(python generate.py & python train.py)`, stops the generator too: a background
-job of a non-interactive shell starts with SIGINT ignored, so generate.py restores the default handler itself, and so
-does train.py, whose shell may have been such a job (CI once ran the suite so, and the trainer ran on). Both say so in
-one line, without a traceback.
+job of a non-interactive shell starts with SIGINT ignored, so every script restores the default handler as it starts
+(parse_config). The trainer's shell may have been such a job too: CI once ran the suite so, and the trainer ran on.
+Both say so in one line, without a traceback.
 
     python -m pytest -q tests/test_signals.py        # about half a minute on a 2-core CPU
 """
