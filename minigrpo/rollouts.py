@@ -120,7 +120,7 @@ class Ledger:
 class RolloutBuffer:
     def __init__(self, storage, run_id: str = ""):
         self.storage, self.run_id, self.ready = storage, run_id, []  # (object id, group): read, not yet taken, oldest first
-        self.next, self.active = {}, {}  # each writer's first sequence number not yet listed; when it last grew
+        self.next, self.active, self.found = {}, {}, collections.Counter()  # a writer's next sequence number, last growth, finds
         self.full_at = 0.0  # when rollouts/ was last listed whole
         self.reasons = collections.Counter()  # quarantines by kind ("ValueError: rewards"), for the trainer's stop line
 
@@ -131,25 +131,25 @@ class RolloutBuffer:
         self.storage.put(group_key(f"{writer}-{seq:06d}"), save(*to_tensors(groups)), create=True)
         return [g.group_id for g in groups]
 
-    def listed(self, since: "dict | None" = None) -> list[str]:
-        """Object ids in rollouts/, consumed or not; since {writer: n}: each writer's from n on (on S3, listed from there)."""
-        names = self.storage.list("rollouts") if since is None else \
-            [name for w, n in since.items() for name in self.storage.list("rollouts", f"{w}-", f"{w}-{n:06d}")]
-        return [n.removesuffix(".safetensors") for n in names if n.endswith(".safetensors")]
+    def listed(self) -> list[str]:  # object ids in rollouts/, consumed or not
+        return [n.removesuffix(".safetensors") for n in self.storage.list("rollouts") if n.endswith(".safetensors")]
 
     def take(self, n: int, ledger: Ledger, validate=lambda group: None, stats=None) -> list[Group]:
         """Up to n of the oldest groups the ledger has not seen, recorded in it; one that fails is quarantined."""
-        stats = {} if stats is None else stats
-        if len(self.ready) < n:  # list only if fewer than n wait: a listing is a bucket's costliest request
-            # S3: each writer's objects past its newest seen (consumed ones stay until GC); all every 30 s (5 s if quiet)
-            quiet = time.monotonic() - max(self.active.values(), default=0.0) > 5
-            if full := not self.storage.s3 or not self.next or time.monotonic() - self.full_at > (5 if quiet else 30):
-                self.full_at = time.monotonic()
-            listed = sorted(self.listed(None if full else self.next), key=sequence_number)  # oldest first, all writers
-            self.read([i for i in listed if i not in ledger.skip], ledger, stats)
-            for w, seq in ((i.rsplit("-", 1)[0], sequence_number(i)[0] + 1) for i in listed):
+        stats, now = {} if stats is None else stats, time.monotonic()
+        if len(self.ready) < n:  # look if fewer than n wait. A bucket: by name (a GET that misses costs a fifth of a listing,
+            # which grows with what is consumed), the next objects of each writer that grew within a minute, one more than
+            # its last look found, up to 8; all of rollouts/ at first, then every 30 s (5 s if no writer grew in 5 s)
+            quiet = now - max(self.active.values(), default=0.0) > 5
+            if full := self.storage.local or not self.next or now - self.full_at > (5 if quiet else 30):
+                self.full_at = now
+            ids = sorted(self.listed() if full else [f"{w}-{s:06d}" for w, i in self.next.items() if now - self.active[w] < 60
+                         for s in range(i, i + min(8, 1 + self.found[w]))], key=sequence_number)  # oldest first, all writers
+            self.read([i for i in ids if i not in ledger.skip], ledger, stats)
+            self.found = collections.Counter(i.rsplit("-", 1)[0] for i in ids if i in ledger.skip)  # read, now or before
+            for w, seq in ((i.rsplit("-", 1)[0], sequence_number(i)[0] + 1) for i in ids if i in ledger.skip):
                 if seq > self.next.get(w, 0):
-                    self.next[w], self.active[w] = seq, time.monotonic()
+                    self.next[w], self.active[w] = seq, now
         groups = []
         while len(groups) < n and self.ready:
             oid, group = self.ready.pop(0)  # recorded, and so is its object once this was the last of it (then it may go)
@@ -165,9 +165,9 @@ class RolloutBuffer:
 
     def read(self, oids: list[str], ledger: Ledger, stats: dict):  # together; one unreadable is quarantined whole
         for oid, data in zip(oids, self.storage.get_many([group_key(i) for i in oids])):
-            ledger.skip.add(oid)  # read once, whatever comes of it
-            if isinstance(data, FileNotFoundError):  # a listing that lags a delete, or a bucket's "directory"
+            if isinstance(data, FileNotFoundError):  # not written yet (a look by name), a listing that lags a delete
                 continue
+            ledger.skip.add(oid)  # read once, whatever comes of it
             if isinstance(data, OSError) and not (self.storage.local and data.errno == errno.EACCES):
                 raise data  # the store failed, not the object (a local file this user cannot read is the object's)
             try:

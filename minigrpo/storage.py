@@ -111,22 +111,15 @@ class Storage:
         with self._naming("look up", key):
             return self.fs.exists(f"{self.root}/{key}")
 
-    def list(self, prefix: str, begin: str = "", after: str = "") -> list[str]:
-        """Sorted names directly under a prefix that begin with `begin` and sort after `after` (local temp files left
-        out; a bucket's listing may lag a put). S3 lists from there (no cost for the names before), 1,000 at most: ask again."""
+    def list(self, prefix: str) -> list[str]:
+        """Sorted names directly under a prefix (local temp files left out; a bucket's listing may lag a put)."""
         path = f"{self.root}/{prefix}".rstrip("/")
         with self._naming("list", prefix):
             try:  # a local listing through os is ten times cheaper than through fsspec
-                if self.s3 and after:  # s3fs cannot start a listing anywhere: boto's call, one page (up to 1,000 names)
-                    bucket, key, _ = self.fs.split_path(path)
-                    entries = [o["Key"] for o in self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{key}/{begin}",
-                                                                 StartAfter=f"{key}/{after}", Delimiter="/").get("Contents", [])]
-                else:
-                    entries = os.listdir(path) if self.local else self.fs.ls(path, detail=False)
+                entries = os.listdir(path) if self.local else self.fs.ls(path, detail=False)
             except (FileNotFoundError, NotADirectoryError):
                 return []
-        names = (e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
-        return sorted(n for n in names if not (self.local and n.startswith(".")) and n.startswith(begin) and n > after)
+        return sorted(n for n in (e.rstrip("/").rsplit("/", 1)[-1] for e in entries) if not (self.local and n.startswith(".")))
 
     def delete(self, key: "str | list[str]", recursive: bool = False):  # or, recursive, all under a prefix; gone is fine
         keys = [key] if isinstance(key, str) else key

@@ -71,39 +71,42 @@ def test_a_read_on_s3_is_one_request_whatever_its_size(s3_bucket):
         storage.get("absent")
 
 
-def test_a_poll_on_s3_lists_only_what_is_new(s3_bucket):
-    """Consumed objects stay in rollouts/ until garbage collection, two checkpoints later: the trainer's listing must
-    not grow with them. It lists each known writer from its first unseen object on (a writer writes its objects in
-    order), and all of rollouts/ only now and then, to meet new writers and any object written out of order."""
+def test_a_poll_on_s3_looks_up_each_writers_next_objects_by_name(s3_bucket):
+    """Consumed objects stay in rollouts/ until garbage collection, two checkpoints later: a poll must not grow with
+    them. A writer names its objects in order, so the trainer GETs each recent writer's next ones by name (one more
+    than its last look found, up to 8), and lists all of rollouts/ only now and then, to meet new writers and any
+    object written out of order."""
     buffer, ledger = RolloutBuffer(Storage(f"{s3_bucket}/run"), "r1"), Ledger()
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda seq: buffer.write([make_group()], "w", seq=seq), range(300)))
     assert len(buffer.take(300, ledger)) == 300  # the first listing is whole
-    returned, call_s3 = [], buffer.storage.fs.call_s3
-
-    def counted(method, **kwargs):  # the keys each listing of one writer brought back
-        out = call_s3(method, **kwargs)
-        returned.append(len(out.get("Contents", [])))
-        return out
+    looked, get, listed = [], buffer.storage.get, buffer.storage.list
+    buffer.storage.get = lambda key: looked.append(key.split("/")[1].split(".")[0]) or get(key)
+    buffer.storage.list = lambda prefix: looked.append("LIST") or listed(prefix)
 
     def now(quiet_s=0.0, listed_s=0.0):  # as if w last grew quiet_s ago and rollouts/ was listed whole listed_s ago
         buffer.active["w"], buffer.full_at = time.monotonic() - quiet_s, time.monotonic() - listed_s
+        looked.clear()
 
     def taken():
         return [g.group_id for g in buffer.take(8, ledger)]
-    buffer.storage.fs.call_s3 = counted
     buffer.write([make_group()], "w", seq=300)
-    now()
-    assert taken() == ["w-000300.0"] and returned == [1] and buffer.next == {"w": 301}
+    now()  # the last look found 300: 8 names
+    assert taken() == ["w-000300.0"] and sorted(looked) == [f"w-{i:06d}" for i in range(300, 308)] and buffer.next == {"w": 301}
     buffer.write([make_group()], "w", seq=302)  # 301 comes late
     buffer.write([make_group()], "v", seq=0)  # a new writer: met by a whole listing, 30 s after the last (5 s if w is quiet)
     now()
-    assert taken() == ["w-000302.0"] and returned == [1, 1] and buffer.next == {"w": 303}
+    assert taken() == ["w-000302.0"] and sorted(looked) == ["w-000301", "w-000302"] and buffer.next == {"w": 303}
     buffer.write([make_group()], "w", seq=301)
-    now(listed_s=6)  # w grew within 5 s: no whole listing, and w's listing starts past 301
-    assert taken() == [] and returned == [1, 1, 0]
+    now(listed_s=6)  # w grew within 5 s: no whole listing, and the look starts past 302
+    assert taken() == [] and sorted(looked) == ["w-000303", "w-000304"]
+    now(listed_s=6)  # that look found none: one name
+    assert taken() == [] and looked == ["w-000303"]
+    now(quiet_s=61, listed_s=1)  # w quiet for a minute: no look by name; the whole listing comes 5 s after the last
+    assert taken() == [] and looked == []
     now(quiet_s=6, listed_s=6)  # w quiet for 6 s: the whole listing finds both, the oldest first
-    assert taken() == ["v-000000.0", "w-000301.0"] and len(returned) == 3 and buffer.next == {"w": 303, "v": 1}
+    assert taken() == ["v-000000.0", "w-000301.0"] and looked[0] == "LIST" and sorted(looked[1:]) == ["v-000000", "w-000301"]
+    assert buffer.next == {"w": 303, "v": 1}
     assert ledger.taken == {f"{w}{part}" for w in [f"w-{i:06d}" for i in range(303)] + ["v-000000"] for part in ("", ".0")}
 
 
