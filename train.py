@@ -79,8 +79,8 @@ from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats):
-    """(groups_per_step fresh groups that passed the audit, those it quarantined, wait s). Stale, caught and (dapo)
-    zero-std groups are consumed and counted; every 5 polls the lease says what waits and asks one more per drop."""
+    """(groups_per_step fresh groups that passed the audit, those it quarantined, wait s). Stale, caught and (dapo) zero-std
+    groups are consumed and counted; a poll that finds nothing (then every 5th) tells what waits, asking one more a drop."""
     t0, last_seen, told, groups, caught, taken_n, said = time.time(), time.time(), 0.0, [], [], 0, 0
     while len(groups) < cfg.groups_per_step:
         taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
@@ -104,8 +104,8 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats)
                                  f"{cfg.wait_timeout_s:.0f}s. Consumed: {why} {stats}")
             print(f"waited {waited:.0f}s for a fresh group in {where}; consumed: {why} {stats}", flush=True)
         time.sleep(0 if taken else buffer.storage.poll_s)  # nothing new: look again in a poll
-        if len(groups) < cfg.groups_per_step and time.time() - told > 5 * buffer.storage.poll_s:  # backpressure
-            lease.write(**buffer.progress(lease.timeout_s), groups_per_step=cfg.groups_per_step + taken_n - len(groups))
+        if not taken and len(groups) < cfg.groups_per_step and time.time() - told > 5 * buffer.storage.poll_s:
+            lease.write(wait=False, **buffer.progress(lease.timeout_s), groups_per_step=cfg.groups_per_step + taken_n - len(groups))
             told = time.time()
     return groups, caught, time.time() - t0
 
@@ -230,9 +230,8 @@ def publish(store, lease, model, version, config, run, step) -> tuple[int, float
     fault("before_publish", step)
     version = store.write(version, finite_weights(model), config)
     fault("before_latest", step)
-    lease.fenced(store.set_latest, version, keep=run.max_staleness + 1)
-    lease.write(version=version)  # generators read LATEST's version here, with the lease they read before each batch
-    return version, time.time() - t0
+    lease.fenced(store.set_latest, version, run.max_staleness + 1, version=version)  # generators read the version in
+    return version, time.time() - t0  # the lease (the fence's write) before each batch, LATEST without a live lease
 
 
 def check_settings(saved: dict, cfg) -> list[str]:  # what a resume must keep (the run's math); others may change
@@ -318,7 +317,7 @@ def main():
                                             digest_of=store.digest, reward_range=getattr(task, "reward_range", (0.0, 1.0)))
         check = partial(audit, model, weights_of=lambda v: store.weights(v)[0], run=run, cfg=cfg, device=device)
         groups, caught, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, check, stats)
-        lease.write(**(queue := buffer.progress(lease.timeout_s)), step=step, groups_per_step=cfg.groups_per_step)
+        lease.write(wait=False, **(queue := buffer.progress(lease.timeout_s)), step=step, groups_per_step=cfg.groups_per_step)
         staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains: not the record's
         (samples, rewards, lengths), t1, sync_s = build_samples(groups, run, cfg), time.time(), 0.0
         m, fwd_bwd_s = train_step(model, optimizer, share(samples, waiting), run, cfg, device, 0, world), time.time() - t1

@@ -46,13 +46,14 @@ class AdapterStore:
         return version
 
     def set_latest(self, version: int, keep: int):
-        """Point LATEST at a version if it still holds this store's last write (after a refusal and the fence's look at the lease:
-        what it holds now), then delete weights that left the window a publish ago (a server may re-read an evicted adapter)."""
+        """Point LATEST at a version if it still holds this store's last write (after a refusal and the fence: what it holds
+        now), then delete weights that left the window a publish ago (a server may re-read an evicted one; a bucket: 4 a time)."""
         token, self.token = self.token or self.storage.versioned("adapters/LATEST", read=False)[1], None  # None until it lands
         self.token = self.storage.swap("adapters/LATEST", self.name(version) + "\n", token)
         old = range(max(0, version - keep - 1) if self.kept_from is None else self.kept_from, version - keep)
-        self.storage.delete([f"adapters/{self.name(v)}/adapter_model.safetensors" for v in old])
-        self.kept_from, self.kept = max(old.start, version - keep), {v: w for v, w in self.kept.items() if v >= version - keep}
+        if gone := len(old) >= (1 if self.storage.local else 4):
+            self.storage.delete([f"adapters/{self.name(v)}/adapter_model.safetensors" for v in old])
+        self.kept_from, self.kept = old.stop if gone else old.start, {v: w for v, w in self.kept.items() if v >= version - keep}
 
     def weights(self, version: int) -> tuple[dict | None, str]:
         """(a version's LoRA tensors, their digest), or (None, "") once they are gone; read once, kept in the window."""

@@ -161,7 +161,8 @@ class Lease:
     epoch, bumps `beat` every timeout_s / 6, and writes owner.json only if it is still its own last write."""
 
     def __init__(self, storage, timeout_s: float = 60.0, **about):  # about: what generators may read (groups_per_step)
-        self.storage, self.timeout_s, self.lock, self.stop = storage, timeout_s, WRITING, threading.Event()
+        self.storage, self.timeout_s, self.lock = storage, timeout_s, WRITING
+        self.stop, self.wake = threading.Event(), threading.Event()  # the heartbeat's: stop it, write now
         self.info = {"owner": uuid.uuid4().hex[:12], **here(), "pid": os.getpid(), "beat": 0, "timeout_s": timeout_s, **about}
 
     def acquire(self) -> dict | None:  # take it if absent, if its owner died here or if unchanged for timeout_s; else refuse
@@ -184,25 +185,28 @@ class Lease:
         self.beat.start()
         return theirs if raw is not None else None
 
-    def write(self, **progress):  # beat + 1
+    def write(self, wait=True, **progress):  # beat + 1; wait=False: the heartbeat's thread writes it, the caller goes on
         with self.lock:
             self.info |= progress | {"beat": self.info["beat"] + 1}
+            if not wait:
+                return self.wake.set()
             try:
                 self.token = self.storage.swap("owner.json", data := json.dumps(self.info), self.token)
             except FileExistsError:  # another trainer's write, or a retried request of our own that had landed
-                raw, self.token = self.storage.versioned("owner.json")
+                raw, token = self.storage.versioned("owner.json")
                 if raw != data.encode():
-                    self.lost()
+                    self.lost()  # its token is never taken: a lost lease stays lost
+                self.token = token
 
-    def fenced(self, write, *args, **kwargs):
-        """write(*args) only while this trainer holds the lease: a check that holds until the write lands on a local
-        disk (both under the run's lock), right before it elsewhere. A refused conditional write is checked again."""
+    def fenced(self, write, *args, **progress):
+        """write(*args) only while this trainer holds the lease, which a conditional write of owner.json (progress
+        included) proves: one that holds until the write lands on a local disk (both under the run's lock), right
+        before it elsewhere. A refused conditional write is tried again, after another write of the lease."""
         for refused in ((FileExistsError,), ()):  # the second time nothing is suppressed
             with self.lock, self.storage.locked():
-                if self.storage.versioned("owner.json", read=False)[1] != self.token:
-                    self.lost()
+                self.write(**progress)
                 with contextlib.suppress(*refused):
-                    return write(*args, **kwargs)
+                    return write(*args)
 
     def lost(self):
         theirs = lease_view(self.storage.versioned("owner.json")[0])
@@ -210,13 +214,15 @@ class Lease:
               f"host {theirs['host']}); exiting without writing", flush=True)
         os._exit(1)
 
-    def _beat(self):
-        while not self.stop.wait(self.timeout_s / 6):
+    def _beat(self):  # a write every timeout_s / 6, or when woken; once stopped, not one more
+        while (self.wake.wait(self.timeout_s / 6) or True) and not self.stop.is_set():
+            self.wake.clear()
             with contextlib.suppress(OSError):  # a full disk or a refused bucket: the main thread meets it too
                 self.write()
 
     def release(self):
         self.stop.set()
+        self.wake.set()
         self.beat.join()
         self.fenced(self.storage.delete, "owner.json")
 

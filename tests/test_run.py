@@ -89,6 +89,21 @@ def test_a_deposed_trainer_can_neither_write_behind_its_fence_nor_rewrite_the_le
     new.stop.set()
 
 
+def test_a_write_that_does_not_wait_is_made_by_the_heartbeats_thread_and_none_once_it_stopped(storage):
+    """The trainer's progress (what waits, for the generators' backpressure) goes out without holding up its step."""
+    lease = no_exit(Lease(storage, timeout_s=600))  # its own beat: every 100 s, so any write below is a woken one
+    lease.acquire()
+    lease.write(wait=False, step=7)
+    deadline = time.monotonic() + 10
+    while json.loads(storage.get("owner.json")).get("step") != 7:
+        assert time.monotonic() < deadline, "the heartbeat's thread did not write it"
+        time.sleep(0.01)
+    lease.stop.set()
+    lease.write(wait=False, step=8)  # stopped: the thread ends without writing
+    lease.beat.join(timeout=10)
+    assert not lease.beat.is_alive() and json.loads(storage.get("owner.json"))["step"] == 7
+
+
 def test_metrics_are_written_in_segments_and_the_newest_lifes_record_of_a_step_stands(storage, monkeypatch):
     monkeypatch.setattr(time, "time", lambda: 9e9)  # the first life's clock ran far ahead: it does not matter
     first = Metrics(storage, "train-e000001", segment=2)

@@ -36,8 +36,8 @@ def test_storage_puts_gets_lists_and_deletes_whole_objects(storage):
     storage.put("a/b/y.txt", "text")
     assert storage.get("a/x.bin") == b"\x00\x01" and storage.list("a") == ["b", "x.bin"]
     assert storage.list("nothing/here") == [] and storage.exists("a/b/y.txt")
-    storage.put_many({"a/w-000001": b"1", "a/w-000002": b"2", "a/v-000003": b"3"})  # where a listing starts (S3: StartAfter)
-    assert storage.list("a", "w-", "w-000001") == ["w-000002"] and storage.list("a", "", "x") == ["x.bin"]
+    storage.put_many({"a/w-000001": b"1", "a/w-000002": b"2", "a/v-000003": b"3"})  # concurrently on a bucket
+    assert storage.list("a") == ["b", "v-000003", "w-000001", "w-000002", "x.bin"]
     storage.delete(["a/w-000001", "a/w-000002", "a/v-000003"])
     storage.delete("a/b", recursive=True)
     storage.delete("a/gone.bin")  # deleting what is gone is fine
@@ -243,10 +243,12 @@ def test_publish_writes_a_peft_dir_named_with_the_run_id_and_points_latest_at_it
 
 def test_retention_keeps_the_window_plus_one_publish_of_grace(storage):
     store = AdapterStore(storage, "r")
-    for v in range(8):
+    weights = lambda: [v for v in store.versions() if storage.exists(f"adapters/{store.name(v)}/adapter_model.safetensors")]
+    for v in range(7):
         publish_model(store, v)
-    weights = [v for v in store.versions() if storage.exists(f"adapters/{store.name(v)}/adapter_model.safetensors")]
-    assert weights == [4, 5, 6, 7]  # keep=3: v5..v7 are named, v4 left the window one publish ago
+    assert weights() == ([3, 4, 5, 6] if storage.local else list(range(7)))  # a bucket deletes four versions' at once
+    publish_model(store, 7)
+    assert weights() == [4, 5, 6, 7]  # keep=3: v5..v7 are named, v4 left the window one publish ago
     assert store.versions() == list(range(8))  # the configs stay: a name, once claimed, is never written again
 
 
