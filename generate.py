@@ -102,7 +102,7 @@ def main():
     if meta.get("grader") and meta["grader"] != task.grader:  # rewards from two graders would mix in one run
         raise SystemExit(f"this generator grades with {task.grader}, the run with {meta['grader']}: install the same")
     watch = {"raw": None, "since": time.monotonic()}  # while the lease is live, no look for DONE (2 requests on S3)
-    batch, idle_since, skipped, made, waiting, grow, read_at = 0, time.time(), set(), {}, 0, 0, 0.0  # made: groups a version
+    batch, idle_since, skipped, made, waiting, grow, read_at, shown = 0, time.time(), set(), {}, 0, 0, 0.0, 0.0
     while (not cfg.max_batches or batch < cfg.max_batches) and (watch.get("live") or not storage.exists("DONE")):
         if watch.get("live") and time.monotonic() - read_at < poll_s and waiting + grow <= cfg.max_ready:
             waiting += grow  # a live lease read within a poll, with room: count this batch, not read it again (a request)
@@ -143,8 +143,9 @@ def main():
                   "completions/mean_length": n_tok / len(flat), "rollout/generated_tok_s": n_tok / gen_s,
                   "rollout/backpressure_s": backpressure_s, "perf/weight_sync_s": sync_s, "perf/generate_s": gen_s,
                   "adapters_skipped": len(skipped), "time": time.time()}
-        metrics.log(record, f"gen {gen_id} batch {batch} | v{version} | reward {record['reward/mean']:.3f} | "  # once per version
-                    f"{n_tok / gen_s:.0f} tok/s | backpressure {backpressure_s:.2f}s" if made[version] == len(prompts) else None)
+        shown = time.time() if (due := time.time() - shown >= 5) else shown  # a line every 5 s; each batch's record: metrics/
+        metrics.log(record, f"gen {gen_id} batch {batch} | v{version} | reward {record['reward/mean']:.3f} | "
+                    f"{n_tok / gen_s:.0f} tok/s | backpressure {backpressure_s:.2f}s" if due else None)
         idle_since = time.time()
     print(f"generator {gen_id} stopped after {batch} batches", flush=True)
     metrics.finish()
