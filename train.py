@@ -79,8 +79,8 @@ from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats):
-    """(groups_per_step fresh groups that passed the audit, those it quarantined, wait s). Stale, caught and (dapo) zero-std
-    groups are consumed and counted; a poll that finds nothing (then every 5th) tells what waits, asking one more a drop."""
+    """(groups_per_step fresh groups that passed the audit, those it quarantined, wait s). Stale, caught and (dapo)
+    zero-std groups are consumed and counted; every 5 polls the lease says what waits and asks one more per drop."""
     t0, last_seen, told, groups, caught, taken_n, said = time.time(), time.time(), 0.0, [], [], 0, 0
     while len(groups) < cfg.groups_per_step:
         taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
@@ -104,7 +104,7 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats)
                                  f"{cfg.wait_timeout_s:.0f}s. Consumed: {why} {stats}")
             print(f"waited {waited:.0f}s for a fresh group in {where}; consumed: {why} {stats}", flush=True)
         time.sleep(0 if taken else buffer.storage.poll_s)  # nothing new: look again in a poll
-        if not taken and len(groups) < cfg.groups_per_step and time.time() - told > 5 * buffer.storage.poll_s:
+        if len(groups) < cfg.groups_per_step and time.time() - told > 5 * buffer.storage.poll_s:  # backpressure
             lease.write(wait=False, **buffer.progress(lease.timeout_s), groups_per_step=cfg.groups_per_step + taken_n - len(groups))
             told = time.time()
     return groups, caught, time.time() - t0

@@ -180,7 +180,7 @@ class RolloutBuffer:
                 continue
             self.ready += [(oid, g) for g in groups if g.group_id not in ledger.skip]  # skip: what a resumed trainer's took
 
-    def progress(self, window_s: float) -> dict:  # backpressure: groups waiting, each writer's last object listed, writers
+    def progress(self, window_s: float) -> dict:  # backpressure: groups waiting, each writer's last object seen, writers
         return {"waiting": len(self.ready), "seen": {w: i - 1 for w, i in self.next.items()},
                 "writers": sum(time.monotonic() - t < window_s for t in self.active.values())}
 

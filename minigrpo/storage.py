@@ -21,7 +21,7 @@ class Storage:
             raise SystemExit(f"--run_dir {url} needs: pip install -r requirements-storage.txt ({e})") from e
         self.local, self.s3 = isinstance(self.fs, LocalFileSystem), "s3" in self.fs.protocol
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
-        self.poll_s, self.mutex, self.depth = 0.02 if self.local else 0.2, threading.RLock(), 0  # poll_s: listings cost
+        self.poll_s, self.mutex, self.depth = 0.02 if self.local else 0.2, threading.RLock(), 0  # a bucket bills requests
 
     def url(self, key: str = "") -> str:
         path = f"{self.root}/{key}".rstrip("/")
