@@ -73,8 +73,12 @@ def demo(root: str, run_dir: str, steps: int, env: dict, server: int | None = No
     os.environ.update(env)  # train_records reads the bucket through s3fs
     records = train_records(run_dir)
     step_s = [r["perf/step_s"] - r.get("perf/eval_s", 0.0) for r in records]
-    last = f"step_s_{max(1, steps - 49)}_{steps}"  # the last 50 steps, against the first 50
-    return {"wall_s": wall, "step_s_1_50": statistics.mean(step_s[:50]), last: statistics.mean(step_s[-50:]),
+    dropped = [0] + [sum(r[f"sample/{k}"] for k in ("dropped_stale_total", "dropped_zero_std_total", "bad_total"))
+                     for r in records]  # running totals: what a step consumed is what it trained and what it dropped
+    groups = [len(r["group_ids"]) + b - a for r, a, b in zip(records, dropped, dropped[1:])]
+    last = f"_{max(1, steps - 49)}_{steps}"  # the last 50 steps, against the first 50
+    return {"wall_s": wall, "step_s_1_50": statistics.mean(step_s[:50]), f"step_s{last}": statistics.mean(step_s[-50:]),
+            "groups_1_50": statistics.mean(groups[:50]), f"groups{last}": statistics.mean(groups[-50:]),
             "wait_s": statistics.mean(r["perf/rollout_wait_s"] for r in records), "cpu_s_step": (clients + moto) / steps,
             "server_cpu_s_step": moto / steps}
 
@@ -167,8 +171,10 @@ if __name__ == "__main__":
     for name, r in runs.items():  # each bucket run against the folder run of its turn
         if name != "local":
             rows.append({"target": f"{name} / local", "steps": args.steps, "runs": len(r), **summary(
-                [{k: v / runs["local"][i][k] for k, v in run.items() if k not in ("wait_s", "server_cpu_s_step")}
+                [{k: v / runs["local"][i][k] for k, v in run.items() if k not in ("wait_s", "server_cpu_s_step")
+                  and not k.startswith("groups")}
                  for i, run in enumerate(r)])})
-    report(args.name, rows, notes=f"mean ± sd over {args.repeats} runs each, in turns; step_s excludes evaluation. "
+    report(args.name, rows, notes=f"mean ± sd over {args.repeats} runs each, in turns; step_s excludes evaluation; "
+           "groups: consumed a step (trained, dropped as stale or zero-std, quarantined). "
            f"Command: python bench/bench_bucket.py --steps {args.steps} --repeats {args.repeats}"
            + (" --baseline DIR" if args.baseline else ""), extra={"runs": runs})

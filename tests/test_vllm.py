@@ -105,7 +105,7 @@ def test_three_turn_conversations_sampled_by_vllm_start_on_policy(replicas, prox
     the proxy; the trainer scores the sampled tokens in its packed layout, the task's tokens masked out: ratio 1."""
     run_dir, turns = str(tmp_path / "run"), ["--max_turns", "3", "--max_new_tokens", "24"]
     train_and_generate(run_dir, http_generator(proxy, "mt", "--lockstep", *turns),
-                       [*turns, "--max_steps", "2", "--eval_every", "2", "--save_every", "2", "--eval_size", "50"])
+                       [*turns, "--max_steps", "1", "--eval_every", "1", "--save_every", "1", "--eval_size", "50"])
     first = train_records(run_dir)[0]
     print(f"vLLM, 3 turns, step 1: ratio {first['ratio/mean']:.6f} ({first['ratio/min']:.6f}-{first['ratio/max']:.6f}), "
           f"mismatch_kl {first['health/mismatch_kl']:.2e}")  # the figures the README quotes (pytest -s)
