@@ -91,6 +91,21 @@ def summary(runs: list[dict]) -> dict:
     return out
 
 
+def table(runs: dict, steps: int) -> list[dict]:
+    """A row a target; then each bucket target's runs against the folder run of their turn: as a ratio, and the extra
+    step time a consumed group (did a step cost more late because it did more, or because each look cost more?)."""
+    rows, local = [{"target": name, "steps": steps, "runs": len(r), **summary(r)} for name, r in runs.items()], runs["local"]
+    for name, r in runs.items():
+        if name != "local":
+            rows.append({"target": f"{name} / local", "steps": steps, "runs": len(r), **summary(
+                [{k: v / local[i][k] for k, v in run.items() if k not in ("wait_s", "server_cpu_s_step")
+                  and not k.startswith("groups")} for i, run in enumerate(r)])})
+            rows.append({"target": f"{name} - local, ms a group", "steps": steps, "runs": len(r), **summary(
+                [{f"extra_ms_group{k[6:]}": 1000 * (v - local[i][k]) / run[f"groups{k[6:]}"] for k, v in run.items()
+                  if k.startswith("step_s")} for i, run in enumerate(r)])})  # step_s_1_50 -> groups_1_50
+    return rows
+
+
 def profile(steps: int):
     """One bucket demo with moto's request log: requests per step by kind; then single requests, timed."""
     import re
@@ -143,7 +158,12 @@ if __name__ == "__main__":
     parser.add_argument("--baseline", default="", help="another checkout to run on the bucket too (before a change)")
     parser.add_argument("--name", default="bucket")
     parser.add_argument("--profile", action="store_true", help="count and time a bucket run's requests instead")
+    parser.add_argument("--again", default="", help="a results file of this bench: its table again, from its runs")
     args = parser.parse_args()
+    if args.again:
+        stored = json.load(open(args.again))
+        raise SystemExit(report(args.name, table(stored["runs"], stored["rows"][0]["steps"]), notes=stored["notes"].split(" [")[0] + " [this table: --again]",
+                                extra={"runs": stored["runs"]}) and None)
     if args.profile:
         raise SystemExit(profile(args.steps))
     moto, env = start_moto()
@@ -167,14 +187,7 @@ if __name__ == "__main__":
                 print(name, i, json.dumps(runs[name][-1]), flush=True)
     finally:
         moto.kill()
-    rows = [{"target": name, "steps": args.steps, "runs": len(r), **summary(r)} for name, r in runs.items()]
-    for name, r in runs.items():  # each bucket run against the folder run of its turn
-        if name != "local":
-            rows.append({"target": f"{name} / local", "steps": args.steps, "runs": len(r), **summary(
-                [{k: v / runs["local"][i][k] for k, v in run.items() if k not in ("wait_s", "server_cpu_s_step")
-                  and not k.startswith("groups")}
-                 for i, run in enumerate(r)])})
-    report(args.name, rows, notes=f"mean ± sd over {args.repeats} runs each, in turns; step_s excludes evaluation; "
-           "groups: consumed a step (trained, dropped as stale or zero-std, quarantined). "
-           f"Command: python bench/bench_bucket.py --steps {args.steps} --repeats {args.repeats}"
-           + (" --baseline DIR" if args.baseline else ""), extra={"runs": runs})
+    report(args.name, table(runs, args.steps), notes=f"mean ± sd over {args.repeats} runs each, in turns; step_s "
+           "excludes evaluation; groups: consumed a step (trained, dropped as stale or zero-std, quarantined); ms a "
+           f"group: the bucket's extra step time over them. Command: python bench/bench_bucket.py --steps {args.steps} "
+           f"--repeats {args.repeats}" + (" --baseline DIR" if args.baseline else ""), extra={"runs": runs})
