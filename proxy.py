@@ -120,9 +120,9 @@ class Proxy:
             return self.failure("unhealthy" if request.method == "GET" else f"failed {request.path}", answers, bad)
         return reply(next((a for a in answers if a.status == 200), answers[0]))
 
-    async def connect(self, app: web.Application):
+    async def connect(self, app: web.Application):  # keepalive 4 s: vLLM drops a connection idle 5 s (a request on it: 502)
         timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s, sock_connect=10)
-        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024)) as self.session:
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=4)) as self.session:
             yield
 
 
