@@ -162,8 +162,9 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.again:
         stored = json.load(open(args.again))
-        raise SystemExit(report(args.name, table(stored["runs"], stored["rows"][0]["steps"]), notes=stored["notes"].split(" [")[0] + " [this table: --again]",
-                                extra={"runs": stored["runs"]}) and None)
+        report(args.name, table(stored["runs"], stored["rows"][0]["steps"]), extra={"runs": stored["runs"]},
+               notes=stored["notes"].split(" [")[0] + " [this table: --again]")
+        raise SystemExit
     if args.profile:
         raise SystemExit(profile(args.steps))
     moto, env = start_moto()
