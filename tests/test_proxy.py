@@ -2,15 +2,14 @@
 
     python -m pytest -q tests/test_proxy.py
 """
+import http.server
 import os
 import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import requests
 from conftest import ROOT, call, file_digest, free_port, raw_authorization, save_random_adapter, start
 
 from minigrpo.engine import SamplingParams
@@ -177,8 +176,6 @@ def test_generate_without_the_key_exits_with_one_line_and_closes_its_session(fle
 def test_http_engine_waits_for_a_server_that_starts_late(tmp_path, capsys):
     """A generator started before its replica (vLLM takes minutes to start): the engine retries the refused
     connections, says so once, and loads the adapter when the server comes up."""
-    import http.server
-
     class Loads(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
@@ -297,7 +294,7 @@ def test_the_proxy_reuses_no_connection_that_a_vllm_server_may_be_closing():
     reused after 0.5 s, a new one after 4.5 s (seen as the upstream's peer port)."""
     ports = []
 
-    class Upstream(BaseHTTPRequestHandler):  # HTTP/1.1 with a length: it keeps the connection open
+    class Upstream(http.server.BaseHTTPRequestHandler):  # HTTP/1.1 with a length: it keeps the connection open
         protocol_version = "HTTP/1.1"
 
         def do_GET(self):
@@ -310,13 +307,13 @@ def test_the_proxy_reuses_no_connection_that_a_vllm_server_may_be_closing():
         def log_message(self, *args):
             pass
 
-    server, port = ThreadingHTTPServer(("127.0.0.1", 0), Upstream), free_port()
+    server, port = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream), free_port()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     proxy = start(["proxy.py", "--upstream", f"http://127.0.0.1:{server.server_port}", "--port", str(port), "--no_auth"], port)
     try:
         for idle_s in (0, 0.5, 4.5):
             time.sleep(idle_s)
-            assert requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).status_code == 200
+            assert call("GET", f"http://127.0.0.1:{port}/v1/models")[0] == 200
     finally:
         proxy.kill()
         server.shutdown()
