@@ -26,7 +26,7 @@ class GenerateConfig:
     api_key: str = field(default="", metadata={"help": "--engine http: the server's API key (or env MINIGRPO_API_KEY)"})
     max_inflight: int = field(default=64, metadata={"help": "--engine http: most requests in flight at once"})
     generator_id: str = field(default="", metadata={"help": "names this generator's files; default host-pid"})
-    prompts_per_batch: int = field(default=8, metadata={"help": "prompts sampled together; G completions each"})
+    prompts_per_batch: int = field(default=0, metadata={"help": "prompts a batch, written as one object (0: 8; 16 on a bucket)"})
     max_ready: int = field(default=64, metadata={"help": "backpressure: most groups left waiting for the trainer"})
     seed: int = field(default=0, metadata={"help": "seed for prompts and sampling (mixed with generator_id)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
@@ -77,6 +77,7 @@ def main():
     gen_id = cfg.generator_id or f"{socket.gethostname()}-{os.getpid()}"
     writer = f"{gen_id}-{uuid.uuid4().hex[:16]}"  # this life's name: a restart never rewrites an old group
     storage, task = Storage(cfg.run_dir), make_task(run)  # a bad task setting stops it before it waits for run.json
+    cfg.prompts_per_batch = cfg.prompts_per_batch or (8 if storage.local else 16)  # a bucket bills each request
     if storage.exists("DONE"):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): pass another --run_dir.")
     meta, poll_s = join_run(storage, run), max(cfg.poll_s, storage.poll_s)  # a bucket charges per request: look less often

@@ -34,6 +34,7 @@ def test_the_demo_runs_on_s3_and_trains_every_group_exactly_once(s3_bucket, tmp_
     ids = [g for r in steps for g in r["group_ids"]]
     assert [r["step"] for r in steps] == list(range(1, 21)) and len(ids) == len(set(ids)) == 20 * 8
     assert abs(steps[0]["ratio/mean"] - 1) < 1e-3  # the generator loaded the adapter straight from the bucket
+    assert max(int(i.rsplit(".", 1)[1]) for i in ids) == 15  # on a bucket its objects hold 16 groups, not 8
     storage = Storage(run_dir)
     assert storage.exists("DONE") and storage.list("checkpoints") == ["step-000015-e000001", "step-000020-e000001"]
     latest = storage.get("adapters/LATEST").decode().strip()
@@ -119,7 +120,8 @@ def test_a_generator_reads_LATEST_only_while_no_live_lease_names_the_version(s3_
     publish_v0(run_dir)
     code = ("import sys, generate, minigrpo.storage as s; keys, get = [], s.Storage.get\n"
             "s.Storage.get = lambda self, key: keys.append(key) or get(self, key)\n"
-            f"sys.argv = ['generate.py', '--run_dir', {run_dir!r}, '--generator_id', 'g', '--max_batches', '3', '--poll_s', '60']\n"
+            f"sys.argv = ['generate.py', '--run_dir', {run_dir!r}, '--generator_id', 'g', '--max_batches', '3', '--poll_s', '60', "
+            "'--prompts_per_batch', '8']\n"  # the second life's count: (3 objects + 2 writers) x 8 <= --max_ready
             "generate.main(); print('LATEST read', keys.count('adapters/LATEST'), 'lease read', keys.count('owner.json'))")
     def generate():
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -145,12 +147,13 @@ def test_a_generator_looks_for_DONE_only_while_no_live_lease_says_a_trainer_runs
     lease.acquire()
     code = ("import sys, generate, minigrpo.storage as s; keys, exists = [], s.Storage.exists\n"
             "s.Storage.exists = lambda self, key: keys.append(key) or exists(self, key)\n"
-            f"sys.argv = ['generate.py', '--run_dir', {run_dir!r}, '--generator_id', 'g', '--max_batches', '4']\n"
+            f"sys.argv = ['generate.py', '--run_dir', {run_dir!r}, '--generator_id', 'g', '--max_batches', '4', "
+            "'--prompts_per_batch', '8']\n"  # h's count below: (4 objects + 2 writers) x 8 <= --max_ready
             "generate.main(); print('looked up', keys.count('DONE'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert "looked up 2\n" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]  # at start, and before the first batch
-    gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "h"], cwd=ROOT,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "h", "--prompts_per_batch",
+                            "8"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         while not any(name.startswith("h-") for name in Storage(run_dir).list("rollouts")):
             assert gen.poll() is None, "the generator stopped before it wrote a group"
