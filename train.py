@@ -352,6 +352,7 @@ def main():
             f"v{version} | wait {wait_s:.2f}s | dt {record['perf/step_s']:.2f}s{acc}")
         fault("after_metrics", step)
         if step % cfg.save_every == 0 or step == cfg.max_steps:
+            metrics.flush()  # the records it covers, which a bucket writes at most every 5 s
             name = save_checkpoint(storage, step, lease.info["epoch"], finite_weights(model), peft_config, optimizer, {
                 "stats": stats, "version": version, "ledger": ledger.state(), "run": asdict(run), "config": asdict(cfg)})
             lease.write(checkpoints=[*(lease.info["checkpoints"] or [])[-1:], name])  # the commit: fails once deposed

@@ -252,7 +252,7 @@ class Metrics:
     segment, up to `segment` records, is rewritten whole with each line) and the tracker, past earlier lives' steps."""
 
     def __init__(self, storage, name: str, tracker=None, lives: str = "", segment: int = 25):
-        self.storage, self.segment, self.records = storage, segment, []
+        self.storage, self.segment, self.records, self.flushed = storage, segment, [], 0.0
         self.prefix, self.n = f"metrics/{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}", 0
         self.send, close = tracker or (None, lambda: None)
         self.finish = lambda: (self.flush(), close())  # the records not yet written, then the tracker's end
@@ -263,8 +263,8 @@ class Metrics:
         if len(self.records) == self.segment:
             self.records, self.n = [], self.n + 1
         self.records.append(json.dumps(record))
-        if line is not None or len(self.records) == self.segment:  # a bucket bills each write
-            self.flush()
+        if line is not None and (self.storage.local or time.time() - self.flushed > 5) or len(self.records) == self.segment:
+            self.flush()  # a bucket bills each write: at most one each 5 s (train.py flushes before a checkpoint)
         if line:  # one write, newline included: two processes on one terminal do not merge mid-line
             print(line + "\n", end="", flush=True)
         if self.send and (step := record.get("step", self.last + 1)) > self.last:  # after the record: never sent twice
@@ -273,6 +273,7 @@ class Metrics:
 
     def flush(self):
         self.storage.put(f"{self.prefix}-{self.n:05d}.jsonl", "\n".join(self.records) + "\n")
+        self.flushed = time.time()
 
 
 def read_records(storage, name: str, bad: list | None = None) -> list[dict]:

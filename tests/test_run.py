@@ -109,6 +109,7 @@ def test_metrics_are_written_in_segments_and_the_newest_lifes_record_of_a_step_s
     first = Metrics(storage, "train-e000001", segment=2)
     for step in (1, 2, 3):
         first.log({"step": step, "life": 1}, f"step {step}")
+    first.flush()  # as train.py does before a checkpoint: a bucket writes at most one segment each 5 s (below)
     monkeypatch.undo()
     Metrics(storage, "train-e000002").log({"step": 2, "life": 2}, "step 2")  # resumed after step 1
     storage.put("metrics/train-e000002-junk.jsonl", '{"step": 3, "life": 2}\nnot json\n[1]\n{"step": "x"}\n')
@@ -116,6 +117,23 @@ def test_metrics_are_written_in_segments_and_the_newest_lifes_record_of_a_step_s
     records = read_records(storage, "train", bad)
     assert len(storage.list("metrics")) == 4 and len(bad) == 2
     assert {s: r["life"] for s, r in latest_per_step(records).items()} == {1: 1, 2: 2, 3: 2}
+
+
+def test_a_bucket_gets_the_step_records_at_most_every_5_s_and_all_on_a_flush(storage, monkeypatch, capsys):
+    """A bucket bills each write: a record with a console line is written at once on a local disk, on any other store
+    when 5 s have passed since the last write. train.py flushes before each checkpoint, so a crash loses only records
+    of steps after the last one, which the next life does again."""
+    now = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    metrics, written = Metrics(storage, "train-e000001"), []
+    for step, later in ((1, 0.0), (2, 1.0), (3, 4.5), (4, 0.1)):
+        now[0] += later
+        metrics.log({"step": step}, f"step {step}")
+        written.append(len(read_records(storage, "train")))
+    assert written == ([1, 2, 3, 4] if storage.local else [1, 1, 3, 3])  # the first at once, then 5.5 s later
+    metrics.flush()
+    assert [r["step"] for r in read_records(storage, "train")] == [1, 2, 3, 4]
+    assert capsys.readouterr().out == "step 1\nstep 2\nstep 3\nstep 4\n"  # every line printed at once
 
 
 def test_both_scripts_parse_the_same_run_settings_and_refuse_an_unknown_choice(capsys):
