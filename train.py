@@ -103,7 +103,7 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats)
                 raise SystemExit(f"no fresh group to learn from (dapo: unequal rewards) in {where} for "
                                  f"{cfg.wait_timeout_s:.0f}s. Consumed: {why} {stats}")
             print(f"waited {waited:.0f}s for a fresh group in {where}; consumed: {why} {stats}", flush=True)
-        time.sleep(0 if taken else buffer.storage.poll_s)  # nothing new: look again in a poll
+        time.sleep(0 if taken else min(buffer.storage.poll_s, 0.05))  # nothing new: look again soon (a miss is cheap)
         if len(groups) < cfg.groups_per_step and time.time() - told > 5 * buffer.storage.poll_s:  # backpressure
             lease.write(wait=False, **buffer.progress(lease.timeout_s), groups_per_step=cfg.groups_per_step + taken_n - len(groups))
             told = time.time()
