@@ -93,8 +93,7 @@ def read_group(tensors: dict, metadata: dict, group_id: str) -> Group:  # group 
 
 
 def sequence_number(group_id: str) -> tuple[int, str]:  # sort key; -1 for a name without one (read first, like any other)
-    tail = group_id.rsplit("-", 1)[-1]
-    return int(tail) if tail.isascii() and tail.isdigit() else -1, group_id
+    return int(tail) if (tail := group_id.rsplit("-", 1)[-1]).isascii() and tail.isdigit() else -1, group_id
 
 
 def group_key(group_id: str) -> str:
@@ -137,9 +136,8 @@ class RolloutBuffer:
     def take(self, n: int, ledger: Ledger, validate=lambda group: None, stats=None) -> list[Group]:
         """Up to n of the oldest groups the ledger has not seen, recorded in it; one that fails is quarantined."""
         stats, now = {} if stats is None else stats, time.monotonic()
-        if len(self.ready) < n:  # look if fewer than n wait. A bucket: by name (a GET that misses costs a fifth of a listing,
-            # which grows with what is consumed), the next objects of each writer that grew within a minute, one more than
-            # its last look found, up to 8; all of rollouts/ at first, then every 30 s (5 s if no writer grew in 5 s)
+        if len(self.ready) < n:  # look if fewer than n wait. A bucket: by name (a listing grows with what is consumed), each
+            # writer that grew within a minute, one more than its last look found, up to 8; all at first, then every 30 s (5 s if idle)
             quiet = now - max(self.active.values(), default=0.0) > 5
             if full := self.storage.local or not self.next or now - self.full_at > (5 if quiet else 30):
                 self.full_at = now

@@ -55,8 +55,7 @@ class ReverseAddition(Task):
 
 
 def last_boxed(text: str) -> str | None:  # what the last \boxed{...} (or \fbox{...}) holds, braces matched; None if none
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
+    if (start := max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))) < 0:
         return None
     i, depth = text.index("{", start), 0
     for j in range(i, len(text)):  # unbalanced (cut off before the answer closed): None
