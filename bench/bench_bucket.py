@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -124,7 +125,9 @@ def profile(steps: int):
             for method, path in re.findall(r'"(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP',  # colours stripped (werkzeug paints 206s, 404s)
                                           re.sub(r"\x1b\[[\d;]*m", "", open(f"{tmp}/moto.log").read())):
                 key = path.split("?")[0].removeprefix("/bench-profile").removeprefix("/run").strip("/")
-                kind = "a listing" if "list-type" in path else "delete (batched)" if method == "POST" else \
+                listed = re.search(r"prefix=([^&]*)", path)  # the prefix listed: run/rollouts/ -> rollouts/
+                listed = listed and urllib.parse.unquote(listed[1]).removeprefix("run/").split("/")[0] + "/"
+                kind = f"a listing of {listed or '?'}" if "list-type" in path else "delete (batched)" if method == "POST" else \
                     f"{method} {key.split('/')[0] + ('/*' if '/' in key else '')}"
                 counts[kind] = counts.get(kind, 0) + 1
             store, small, big, timed = Storage("s3://bench-profile/timing"), os.urandom(6000), os.urandom(48000), {}
