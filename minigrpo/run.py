@@ -249,7 +249,7 @@ def tracker(report_to: str, project: str, name: str, config: dict):
 
 class Metrics:
     """One JSON record per step: a console line, RUN/metrics/<name>-<life>-<seg>.jsonl (a bucket cannot append: the current
-    segment, up to `segment` records, is rewritten whole with each line) and the tracker, past earlier lives' steps."""
+    segment, up to `segment` records, is rewritten whole with a line, there at most each 5 s) and the tracker, past lives' steps."""
 
     def __init__(self, storage, name: str, tracker=None, lives: str = "", segment: int = 25):
         self.storage, self.segment, self.records, self.flushed = storage, segment, [], 0.0
@@ -263,7 +263,7 @@ class Metrics:
         if len(self.records) == self.segment:
             self.records, self.n = [], self.n + 1
         self.records.append(json.dumps(record))
-        if line is not None and (self.storage.local or time.time() - self.flushed > 5) or len(self.records) == self.segment:
+        if line is not None and (self.storage.local or time.time() - self.flushed >= 5) or len(self.records) == self.segment:
             self.flush()  # a bucket bills each write: at most one each 5 s (train.py flushes before a checkpoint)
         if line:  # one write, newline included: two processes on one terminal do not merge mid-line
             print(line + "\n", end="", flush=True)
@@ -272,8 +272,8 @@ class Metrics:
             self.last = step
 
     def flush(self):
+        self.flushed = time.time()  # before the write: a generator's lines, 5 s apart on its clock, are each written
         self.storage.put(f"{self.prefix}-{self.n:05d}.jsonl", "\n".join(self.records) + "\n")
-        self.flushed = time.time()
 
 
 def read_records(storage, name: str, bad: list | None = None) -> list[dict]:

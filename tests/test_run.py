@@ -126,14 +126,15 @@ def test_a_bucket_gets_the_step_records_at_most_every_5_s_and_all_on_a_flush(sto
     now = [1000.0]
     monkeypatch.setattr(time, "time", lambda: now[0])
     metrics, written = Metrics(storage, "train-e000001"), []
-    for step, later in ((1, 0.0), (2, 1.0), (3, 4.5), (4, 0.1)):
+    for step, later in ((1, 0.0), (2, 1.0), (3, 4.5), (4, 0.1), (5, 4.9), (6, 0.1)):
         now[0] += later
         metrics.log({"step": step}, f"step {step}")
         written.append(len(read_records(storage, "train")))
-    assert written == ([1, 2, 3, 4] if storage.local else [1, 1, 3, 3])  # the first at once, then 5.5 s later
+    assert written == ([1, 2, 3, 4, 5, 6] if storage.local else [1, 1, 3, 3, 5, 5])  # at once, 5.5 s later, 5 s later
+    metrics.log({"step": 7}, None)  # no line, as a generator's batch between its lines: never written at once
     metrics.flush()
-    assert [r["step"] for r in read_records(storage, "train")] == [1, 2, 3, 4]
-    assert capsys.readouterr().out == "step 1\nstep 2\nstep 3\nstep 4\n"  # every line printed at once
+    assert [r["step"] for r in read_records(storage, "train")] == [1, 2, 3, 4, 5, 6, 7]
+    assert capsys.readouterr().out == "".join(f"step {s}\n" for s in range(1, 7))  # every line printed at once
 
 
 def test_both_scripts_parse_the_same_run_settings_and_refuse_an_unknown_choice(capsys):
