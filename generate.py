@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from minigrpo.run import Metrics, RunSettings, join_run, lease_view, parse_config, tracker  # torch-free
+from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
 @dataclass
@@ -38,8 +39,8 @@ class GenerateConfig:
     tracker_project: str = field(default="minigrpo", metadata={"help": "--report_to: the tracker's project"})
 
 
-if __name__ == "__main__":  # --help or a bad flag answers here, before torch's imports (3-5 s); main() reads them again
-    parse_config(RunSettings, GenerateConfig)
+if __name__ == "__main__":  # --help, a bad flag or a bad task answers before torch loads (3-8 s); main() checks again
+    make_task(parse_config(RunSettings, GenerateConfig)[0])
 
 import torch
 from transformers import AutoTokenizer
@@ -51,7 +52,6 @@ from minigrpo.model import load_model, pick_device, resolve_model, stop_token_id
 from minigrpo.remote import HttpEngine, ServerError
 from minigrpo.rollouts import Group, RolloutBuffer
 from minigrpo.storage import Storage
-from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
 def waiting_groups(buffer: RolloutBuffer, watch: dict, writer: str, written: int, batch: int) -> tuple[int, dict]:

@@ -20,6 +20,7 @@ from functools import partial
 from typing import Literal
 
 from minigrpo.run import Lease, LossConfig, Metrics, RunSettings, create_run, fault, parse_config, tracker  # torch-free
+from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
 @dataclass
@@ -60,8 +61,8 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
         self.tis_cap = 2.0 if self.tis_cap is None and self.old_logp == "recompute" else self.tis_cap
 
 
-if __name__ == "__main__":  # --help or a bad flag answers here, before torch's imports (3-5 s); main() reads them again
-    parse_config(RunSettings, TrainConfig)
+if __name__ == "__main__":  # --help, a bad flag or a bad task answers before torch loads (3-8 s); main() checks again
+    make_task(parse_config(RunSettings, TrainConfig)[0])
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,6 @@ from minigrpo.model import FLAG_DEVICES, load_model, packed_logprobs, pick_devic
 from minigrpo.packing import Sample, collate, micro_batches
 from minigrpo.rollouts import Ledger, RolloutBuffer, check_group
 from minigrpo.storage import Storage
-from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats):

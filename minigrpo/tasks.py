@@ -9,12 +9,11 @@ import importlib.metadata
 import json
 import random
 import re
+from dataclasses import replace
 from fractions import Fraction
 
 import fsspec
 import math_verify
-
-from minigrpo.engine import SamplingParams
 
 Problem = collections.namedtuple("Problem", "prompt answer")
 
@@ -184,7 +183,7 @@ def rollout(engine, tokenizer, task, problems, prompts, params, run) -> tuple[li
     above 1 a sample is a conversation: a turn up to its stop token; task.step's reply (or the end) and reward; the
     reply's ids (reply_ids) with mask 0 and log-prob 0; the next turn; all within max_new_tokens. Sampled ids are never
     decoded and encoded again (token-in, token-out): the trainer scores exactly them. The reward is the last one."""
-    params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+    params = params if isinstance(params, list) else [params] * len(prompts)  # one for all, or one a prompt
     out = engine.generate(prompts, params)
     rewards, live = [[0.0] * len(g) for g in out], [(i, j, task.reset(p), 0) for i, p in enumerate(problems)
                                                      for j in range(params[i].n)]  # (problem, sample, texts, turn start)
@@ -205,8 +204,8 @@ def rollout(engine, tokenizer, task, problems, prompts, params, run) -> tuple[li
             going.append((i, j, texts + [reply], len(c.token_ids)))
         if not going:
             break
-        asks = [SamplingParams(1, run.max_new_tokens - len(out[i][j].token_ids), params[i].temperature,
-                               None if params[i].seed is None else params[i].seed + j + 1_000_003 * turn) for i, j, *_ in going]
+        asks = [replace(params[i], n=1, max_tokens=run.max_new_tokens - len(out[i][j].token_ids),
+                        seed=None if params[i].seed is None else params[i].seed + j + 1_000_003 * turn) for i, j, *_ in going]
         for (i, j, *_), (t,) in zip(going, engine.generate([prompts[i] + out[i][j].token_ids for i, j, *_ in going], asks)):
             c = out[i][j]
             c.token_ids, c.logprobs, c.mask = c.token_ids + t.token_ids, c.logprobs + t.logprobs, c.mask + [1] * len(t.token_ids)
