@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 
-import pytest
 from conftest import ROOT, gen_records, train_records, unconsumed
 from test_faults import TRAIN, py
 
@@ -80,55 +79,67 @@ def stopped(pid) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-def pause_and_take_over(tmp_path, point, pause_step=6, wake_after=1, steps=12, pause_s=0.0) -> dict:
-    """Trainer A stops at `point` (SIGSTOP); B takes the run over and A wakes once B has logged `wake_after` steps
-    (and pause_s more seconds). Returns the audit of the run once all have ended (bench/fencing_trials.py runs it)."""
-    run_dir, log_a, log_b = str(tmp_path / "run"), str(tmp_path / "a.log"), str(tmp_path / "b.log")
+def pause_chain(tmp_path, pauses, wake_after=1, steps=12, pause_s=0.0) -> dict:
+    """Trainer life 1 stops (SIGSTOP) at pauses[0], a (point, step); life 2 takes the run over, and life 1 wakes once
+    life 2 has logged `wake_after` steps or stopped (and pause_s more seconds); life 2 stops at pauses[1], life 3
+    takes over, and so on; the last life finishes. Returns the audit of the run once all have ended."""
+    run_dir, logs = str(tmp_path / "run"), []
     args = [*TRAIN, "--run_dir", run_dir, "--max_steps", str(steps), "--lease_timeout_s", "2"]
     gen = py("generate.py", "--run_dir", run_dir, "--generator_id", "g0", "--max_ready", "8")
     audit, procs = Audit(run_dir), [gen]
     audit.start()
     try:
-        a = py(*args, log=log_a, env={"MINIGRPO_FAULT": f"{point}:{pause_step}:pause"})
-        procs.append(a)
-        wait_for(lambda: "MINIGRPO_FAULT: pausing" in open(log_a).read() and stopped(a.pid), a, log_a)
-        b = py(*args, log=log_b)
-        procs.append(b)
-        wait_for(lambda: b.poll() is not None or  # it may finish at once: A was paused after the last step
-                 len(re.findall(r"step \d+/\d+ \| reward", open(log_b).read())) >= wake_after, a, log_a)
-        time.sleep(pause_s)
-        os.kill(a.pid, signal.SIGCONT)
-        a.wait(timeout=120)
-        assert b.wait(timeout=300) == 0, open(log_b).read()[-3000:]
+        for life, pause in enumerate([*pauses, None], 1):
+            logs.append(log := str(tmp_path / f"life{life}.log"))
+            procs.append(p := py(*args, log=log, env={"MINIGRPO_FAULT": f"{pause[0]}:{pause[1]}:pause"} if pause else {}))
+            if life > 1:  # it took the run over from the paused life before it, which now wakes
+                wait_for(lambda: p.poll() is not None or stopped(p.pid) or  # it may finish at once, or stop first
+                         len(re.findall(r"step \d+/\d+ \| reward", open(log).read())) >= wake_after, procs[-2], logs[-2])
+                time.sleep(pause_s)
+                os.kill(procs[-2].pid, signal.SIGCONT)
+                procs[-2].wait(timeout=120)
+            if pause:
+                wait_for(lambda: "MINIGRPO_FAULT: pausing" in open(log).read() and stopped(p.pid), p, log)
+        assert p.wait(timeout=300) == 0, open(log).read()[-3000:]
         assert gen.wait(timeout=60) == 0
     finally:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGCONT)
             p.kill()
-    out = audit.finish()
-    resumed = re.search(r"resumed from .*step-(\d+)-e\d+ \(step", open(log_b).read())
-    from_step, records = int(resumed[1]) if resumed else 0, standing(run_dir)
+    out, records = audit.finish(), standing(run_dir)
+    resumed = [int(m[1]) if (m := re.search(r"resumed from .*step-(\d+)-e\d+ \(step", open(log).read())) else 0 for log in logs]
     ids = [g for s, (_, r) in records.items() if s for g in r["group_ids"]]
     last = records.get(steps, (0, {}))[1]  # every group written was trained once, dropped, quarantined, or waits
     written, left = 8 * len(gen_records(run_dir, "g0")), sum(map(len, unconsumed(Storage(run_dir)).values()))
-    return out | {
-        "a_exit": a.returncode, "a_lost_lease": "lease lost" in open(log_a).read(), "trained_twice": len(ids) - len(set(ids)),
-        "lineage": {s: e for s, (e, _) in records.items() if s} == {s: 1 if s <= from_step else 2 for s in range(1, steps + 1)},
-        "trained": len(ids), "unaccounted": written - len(ids) - last.get("sample/dropped_stale_total", 0)
+    return out | {  # a step's record stands from the last life that resumed before it
+        "a_exit": [p.returncode for p in procs[1:-1]], "trained_twice": len(ids) - len(set(ids)), "trained": len(ids),
+        "a_lost_lease": len(logs) > 1 and all("lease lost" in open(log).read() for log in logs[:-1]),
+        "lineage": {s: e for s, (e, _) in records.items() if s} == {
+            s: max(life for life, r in enumerate(resumed, 1) if r < s) for s in range(1, steps + 1)},
+        "unaccounted": written - len(ids) - last.get("sample/dropped_stale_total", 0)
         - last.get("sample/dropped_zero_std_total", 0) - last.get("sample/bad_total", 0) - left}
 
 
-def assert_fenced(audit: dict, steps=12):
-    assert audit["a_exit"] == 1 and audit["a_lost_lease"], audit
+def pause_and_take_over(tmp_path, point, pause_step=6, **more) -> dict:  # one pause (bench/fencing_trials.py)
+    return pause_chain(tmp_path, [(point, pause_step)], **more)
+
+
+def assert_fenced(audit: dict, pauses: int, steps: int):
+    assert audit["a_exit"] == [1] * pauses and audit["a_lost_lease"], audit  # every paused life woke to a fence
     assert audit["trained_twice"] == 0 and audit["trained"] == steps * 4 and audit["unaccounted"] == 0, audit
     assert audit["names_with_two_digests"] == 0 and not audit["latest_went_back"] and audit["names"] > 0, audit
-    assert audit["lineage"], audit  # every step 1..N: one standing record, from the new owner's lineage
+    assert audit["lineage"], audit  # every step 1..N: one standing record, from the last owner's lineage
 
 
-@pytest.mark.parametrize("point", ["before_publish", "before_latest", "before_metrics", "after_metrics", "mid_gc"])
-def test_a_trainer_paused_at_a_write_point_wakes_to_a_fence(tmp_path, point):
-    assert_fenced(pause_and_take_over(tmp_path, point))
+# Life 1 pauses before_publish at step 6 (checkpoint 4 stands); life 2 resumes from 4 and pauses before_latest at 7;
+# life 3 from 4, checkpoints 8, pauses before_metrics at 9; life 4 from 8, pauses after_metrics at 10; life 5 from 8,
+# checkpoints 12, pauses mid_gc there; life 6 from 12 finishes. One chain, not a run a point: 7 processes, not 15.
+PAUSES = [("before_publish", 6), ("before_latest", 7), ("before_metrics", 9), ("after_metrics", 10), ("mid_gc", 11)]
+
+
+def test_a_trainer_paused_at_each_write_point_wakes_to_a_fence(tmp_path):
+    assert_fenced(pause_chain(tmp_path, PAUSES, steps=16), len(PAUSES), 16)
 
 
 def test_clocks_an_hour_apart_decide_nothing(tmp_path):
