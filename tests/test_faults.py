@@ -74,7 +74,7 @@ KILLS = [("after_metrics", 6, 6, "step-000004-e000001"), ("before_latest", 6, 6,
 def test_a_trainer_killed_at_each_fault_point_resumes_and_trains_every_group_exactly_once(tmp_path):
     """Five lives of one run beside one generator: each of the first four is killed at a fault point, the next
     resumes from the checkpoint that stands, and the fifth finishes. (One chain rather than a run a point: 6 processes
-    start instead of 12, 35 s less of CI's time.)"""
+    start instead of 12, about 30 s less of CI's time.)"""
     run_dir = str(tmp_path / "run")
     gen = py("generate.py", "--run_dir", run_dir, "--generator_id", "g0", "--max_ready", "8")
     watcher = Watcher(run_dir)

@@ -171,7 +171,7 @@ def test_a_completion_past_the_replicas_context_stops_the_generator_naming_the_l
 def test_http_engine_reloads_what_a_replica_forgot(replicas, proxy, tmp_path):
     """A replica that restarted (or was unloaded behind the proxy's back) answers vLLM's 404 "does not exist" for the
     name: the engine loads it again. The replica forgets it through vLLM's own unload route, as a restart would (a
-    restart cost this test 45 s of CI time)."""
+    restart cost this test about 55 s of CI time)."""
     name = "policy-restart-v000001"
     path = random_adapter(tmp_path / name, seed=4)
     engine = HttpEngine(proxy, KEY)
