@@ -116,14 +116,14 @@ def test_trainer_two_replicas_proxy_and_http_generator_learn_together(tmp_path):
     proxy = f"http://127.0.0.1:{ports[2]}"
     try:
         gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "h0", "--engine",
-                                "http", "--url", proxy, "--api_key", "k"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.STDOUT)
+                                "http", "--url", proxy, "--api_key", "k", "--prompts_per_batch", "32"], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         procs.append(gen)
         train = subprocess.run([sys.executable, "train.py", "--run_dir", run_dir, "--max_steps", "48", "--eval_every",
                                 "48", "--save_every", "48"], cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
         assert gen.wait(timeout=60) == 0
-        evals = eval_records(run_dir)  # two runs here: 0.27 -> 0.3675 and 0.345 at step 40, 0.45 and 0.4475 at step 80
+        evals = eval_records(run_dir)  # 0.27 -> 0.3675 and 0.345 at step 40 (8 prompts a batch), 0.3675 at 48 (32: 45 s, not 57)
         assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.05, evals
         used = [r["policy_version"] for r in gen_records(run_dir, "h0")]
         assert len(set(used)) >= 3
