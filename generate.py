@@ -39,8 +39,8 @@ class GenerateConfig:
     tracker_project: str = field(default="minigrpo", metadata={"help": "--report_to: the tracker's project"})
 
 
-if __name__ == "__main__":  # --help, a bad flag or a bad task answers before torch loads (3-8 s); main() checks again
-    make_task(parse_config(RunSettings, GenerateConfig)[0])
+if __name__ == "__main__":  # --help, a bad flag or a bad task answers before torch loads (3-8 s); main() uses the task
+    checked_task = make_task(parse_config(RunSettings, GenerateConfig)[0])
 
 import torch
 from transformers import AutoTokenizer
@@ -72,11 +72,11 @@ def waiting_groups(buffer: RolloutBuffer, watch: dict, writer: str, written: int
     return 0 if not unseen and lease["waiting"] < lease["groups_per_step"] else lease["waiting"] + n * (unseen + 1) * batch, lease
 
 
-def main():
+def main(task=None):  # task: the one the __main__ block checked, else built here
     run, cfg = parse_config(RunSettings, GenerateConfig)
     gen_id = cfg.generator_id or f"{socket.gethostname()}-{os.getpid()}"
     writer = f"{gen_id}-{uuid.uuid4().hex[:16]}"  # this life's name: a restart never rewrites an old group
-    storage, task = Storage(cfg.run_dir), make_task(run)  # a bad task setting stops it before it waits for run.json
+    storage, task = Storage(cfg.run_dir), task or make_task(run)  # a bad task setting stops it before it waits for run.json
     cfg.prompts_per_batch = cfg.prompts_per_batch or (8 if storage.local else 16)  # a bucket bills each request
     if storage.exists("DONE"):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): pass another --run_dir.")
@@ -154,7 +154,7 @@ def main():
 
 if __name__ == "__main__":
     try:
-        main()
+        main(checked_task)
     except (ServerError, OSError) as e:  # a server that stayed unreachable, a full disk, a refused bucket
         raise SystemExit(f"generate.py: {e}\nEvery group it finished is intact; fix the problem and start it again.")
     except KeyboardInterrupt:  # Ctrl-C, also on `(python generate.py & python train.py)`: one line, no traceback

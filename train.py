@@ -61,8 +61,8 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
         self.tis_cap = 2.0 if self.tis_cap is None and self.old_logp == "recompute" else self.tis_cap
 
 
-if __name__ == "__main__":  # --help, a bad flag or a bad task answers before torch loads (3-8 s); main() checks again
-    make_task(parse_config(RunSettings, TrainConfig)[0])
+if __name__ == "__main__":  # --help, a bad flag or a bad task answers before torch loads (3-8 s); main() uses the task
+    checked_task = make_task(parse_config(RunSettings, TrainConfig)[0])
 
 import torch
 import torch.distributed as dist
@@ -255,12 +255,12 @@ def resume(storage, model, optimizer, cfg, committed) -> dict | None:
     return state
 
 
-def main():
+def main(task=None):  # task: the one the __main__ block checked, else built here
     run, cfg = parse_config(RunSettings, TrainConfig)
     (rank, world, device, waiting), storage = distributed(cfg.device, cfg.collective_timeout_s), Storage(cfg.run_dir)
     if rank == 0 and storage.exists("DONE"):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): pass another --run_dir.")
-    task = make_task(run)  # the task and the model first: a bad flag stops it before the run directory records it
+    task = task or make_task(run)  # the task and the model first: a bad flag stops it before the run directory records it
     torch.set_num_threads(cfg.threads)
     if device.type == "cuda" and cfg.dtype == "float32" and rank == 0:  # the default: right for a CPU, not a GPU
         print("train.py: float32 base weights on a GPU take twice the memory of --dtype bfloat16, and run slower", flush=True)
@@ -372,7 +372,7 @@ def main():
 
 if __name__ == "__main__":
     try:
-        main()
+        main(checked_task)
     except OSError as e:  # a full disk, a refused bucket, a vanished mount: one line, keep what is written
         raise SystemExit(f"train.py: {e}\nNothing complete was overwritten (every object appears whole or not at "
                          f"all); fix the problem and run the same command again.")
