@@ -14,7 +14,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from minigrpo.run import Metrics, RunSettings, join_run, lease_view, parse_config, tracker  # torch-free
+from minigrpo.run import Metrics, RunSettings, check_model, join_run, lease_view, parse_config, tracker  # torch-free
 from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
@@ -39,8 +39,8 @@ class GenerateConfig:
     tracker_project: str = field(default="minigrpo", metadata={"help": "--report_to: the tracker's project"})
 
 
-if __name__ == "__main__":  # --help, a bad flag or a bad task answers before torch loads (3-8 s); main() uses the task
-    checked_task = make_task(parse_config(RunSettings, GenerateConfig)[0])
+if __name__ == "__main__":  # --help, a bad flag, task or model: answered before torch loads (3-8 s); main() uses the task
+    checked_task = make_task(check_model(parse_config(RunSettings, GenerateConfig)[0]))
 
 import torch
 from transformers import AutoTokenizer

@@ -19,7 +19,7 @@ from datetime import timedelta
 from functools import partial
 from typing import Literal
 
-from minigrpo.run import Lease, LossConfig, Metrics, RunSettings, create_run, fault, parse_config, tracker  # torch-free
+from minigrpo.run import Lease, LossConfig, Metrics, RunSettings, check_model, create_run, fault, parse_config, tracker  # torch-free
 from minigrpo.tasks import check_turns, make_task, prompt_ids, rollout
 
 
@@ -56,13 +56,9 @@ class TrainConfig(LossConfig):  # the loss's flags (loss_type, eps_low, eps_high
     report_to: Literal["none", "trackio", "wandb"] = field(default="none", metadata={"help": "also log to a tracker"})
     tracker_project: str = field(default="minigrpo", metadata={"help": "--report_to: the tracker's project"})
 
-    def __post_init__(self):
-        super().__post_init__()
-        self.tis_cap = 2.0 if self.tis_cap is None and self.old_logp == "recompute" else self.tis_cap
 
-
-if __name__ == "__main__":  # --help, a bad flag or a bad task answers before torch loads (3-8 s); main() uses the task
-    checked_task = make_task(parse_config(RunSettings, TrainConfig)[0])
+if __name__ == "__main__":  # --help, a bad flag, task or model: answered before torch loads (3-8 s); main() uses the task
+    checked_task = make_task(check_model(parse_config(RunSettings, TrainConfig)[0]))
 
 import torch
 import torch.distributed as dist

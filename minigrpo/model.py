@@ -12,9 +12,8 @@ DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_mode
 
 
 def packed_attention(module, query, key, value, attention_mask, packed_plan=None, **kwargs):
-    """transformers' SDPA, but a packed row with a plan (plan_packed_row) runs per sequence, each causal on itself, the
-    k runs of one length L in one SDPA call (no N x N mask). A run whose positions restart at q > 0 is a branch: it sees
-    its sequence's first q tokens, then itself causally, so a prompt's G completions share one copy of it exactly."""
+    """transformers' SDPA, but a packed row with a plan (plan_packed_row) runs per sequence, causal, the k runs of one length
+    in one call (no N x N mask); a run from position q > 0 is a branch: it also sees its sequence's first q tokens (a prompt)."""
     if packed_plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows = lambda x, i: x[0][:, i].transpose(0, 1)  # noqa: E731 (heads, N, d) -> (k, heads, len, d)

@@ -46,6 +46,16 @@ class RunSettings:  # shared by the trainer and every generator: written once to
         return trainer_version - policy_version <= self.max_staleness
 
 
+def check_model(run: RunSettings) -> RunSettings:  # a wrong --model: one line before torch loads, not the hub's retries
+    import huggingface_hub as hub  # a hub id must be cached, or known to the hub (not asked under HF_HUB_OFFLINE=1)
+    try:
+        if run.model != "demo" and not os.path.isdir(run.model) and not isinstance(hub.try_to_load_from_cache(run.model, "config.json"), str):
+            hub.model_info(run.model, timeout=10)
+    except Exception as e:  # not an id (a missing folder's path), an unknown or private one, no network
+        raise SystemExit(f"--model {run.model}: no such folder, nor a hub id that is cached or answers ({type(e).__name__})") from None
+    return run
+
+
 @dataclass
 class LossConfig:  # the loss's settings (minigrpo/grpo.py); train.py's TrainConfig extends it, so each is a flag of train.py
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = field(default="dapo", metadata={"help": "see minigrpo/grpo.py"})
@@ -53,8 +63,9 @@ class LossConfig:  # the loss's settings (minigrpo/grpo.py); train.py's TrainCon
     eps_high: float | None = field(default=None, metadata={"help": "clip above at 1 + eps_high (dapo: 0.28, else eps_low)"})
     tis_cap: float | None = field(default=None, metadata={"help": "truncated IS cap on pi_old/mu (2 if --old_logp recompute)"})
 
-    def __post_init__(self):  # eps_high's default: DAPO's clip-higher for dapo, else a symmetric clip
+    def __post_init__(self):  # eps_high's default: DAPO's clip-higher for dapo, else a symmetric clip; tis_cap's: train.py's
         self.eps_high = (0.28 if self.loss_type == "dapo" else self.eps_low) if self.eps_high is None else self.eps_high
+        self.tis_cap = 2.0 if self.tis_cap is None and getattr(self, "old_logp", "") == "recompute" else self.tis_cap
 
 
 class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -199,9 +210,8 @@ class Lease:
                 self.token = token
 
     def fenced(self, write, *args, **progress):
-        """write(*args) only while this trainer holds the lease, which a conditional write of owner.json (progress
-        included) proves: one that holds until the write lands on a local disk (both under the run's lock), right
-        before it elsewhere. A refused conditional write is tried again, after another write of the lease."""
+        """write(*args) only while this trainer holds the lease, as a conditional write of owner.json (progress included)
+        proves: under the run's lock on a local disk, right before it elsewhere. A refused write is tried once more."""
         for refused in ((FileExistsError,), ()):  # the second time nothing is suppressed
             with self.lock, self.storage.locked():
                 self.write(**progress)

@@ -1,8 +1,7 @@
 """Prompt sets and verifiable rewards: a task hands out Problems (prompt text + reference answer) and scores text.
 reverse_add, the demo task: "12+34=" -> "64", the sum written backwards, which makes the carry local (a 2-layer model
-learns it). math: --task_data's problems; the reward is 1 when the last \\boxed{...} (--answer_format: or, for a model
-that rarely boxes, the last number or "Answer:" line) after a reasoning model's one </think> equals the reference as
-math-verify judges it: spacing, \\left/\\right, \\dfrac, \\text{}, degrees, 1,000, 1/2 = 0.5, (x+1)^2 = x^2+2x+1."""
+learns it). math: --task_data's problems; the reward is 1 when the last \\boxed{...} (or --answer_format's last number or
+"Answer:" line) after a reasoning model's one </think> equals the reference as math-verify judges it (\\dfrac, 1/2 = 0.5)."""
 import collections
 import contextlib
 import importlib.metadata
@@ -117,8 +116,7 @@ class MathTask(Task):
 
 class Calculator(MathTask):
     """--task calculator: math's data and grader, and a tool. While turns remain, arithmetic in a turn (`5+7`, which small
-    models write unasked) gets its values back ("calculator: 5+7 = 12"); the first turn without any, or the last, is
-    graded. SmolLM2-135M-Instruct, told nothing, called it in 3 of 56 held-out problems before training, 55 after 30 steps."""
+    models write unasked) gets its values back ("calculator: 5+7 = 12"); the first turn without any, or the last, is graded."""
 
     def step(self, problem: Problem, turns: list[str]) -> tuple[str | None, float]:
         calls = dict.fromkeys(re.findall(r"(\d+(?:\.\d+)?)\s*([-+*/x×])\s*(\d+(?:\.\d+)?)", turns[-1]))  # in order, once
@@ -167,9 +165,8 @@ def reply_ids(tokenizer, run, texts: list[str], end: int) -> list[int]:
     before, after = render(tokenizer, run.system_prompt, texts[:-1], False), render(tokenizer, run.system_prompt, texts, True)
     cut = len(before) - before[::-1].index(end) if end in before else len(before)
     if after[:cut] != before[:cut] or tokenizer.decode(before[cut:]).strip():
-        raise SystemExit(f"--max_turns {run.max_turns}: {run.model}'s chat template is not prefix-preserving (it renders "
-                         f"earlier turns differently once a reply follows), so a conversation would not be trained on "
-                         f"the tokens sampled; use --max_turns 1")
+        raise SystemExit(f"--max_turns {run.max_turns}: {run.model}'s chat template is not prefix-preserving (it renders earlier "
+                         f"turns differently once a reply follows), so a conversation would not train on the tokens sampled; use --max_turns 1")
     return after[cut:]
 
 
@@ -179,10 +176,9 @@ def check_turns(tokenizer, run):  # --max_turns above 1: a template that rewrite
 
 
 def rollout(engine, tokenizer, task, problems, prompts, params, run) -> tuple[list, list[list[float]]]:
-    """(completions[i][j], rewards[i][j]): params[i].n samples for problems[i] (prompts[i]: its ids). With --max_turns
-    above 1 a sample is a conversation: a turn up to its stop token; task.step's reply (or the end) and reward; the
-    reply's ids (reply_ids) with mask 0 and log-prob 0; the next turn; all within max_new_tokens. Sampled ids are never
-    decoded and encoded again (token-in, token-out): the trainer scores exactly them. The reward is the last one."""
+    """(completions[i][j], rewards[i][j]): params[i].n samples for problems[i] (prompts[i]: its ids). With --max_turns above 1
+    a sample is a conversation: a turn up to its stop token; task.step's reply (or the end) and reward; the reply's ids with
+    mask 0 and log-prob 0; the next turn; all within max_new_tokens. Sampled ids are never decoded and encoded again."""
     params = params if isinstance(params, list) else [params] * len(prompts)  # one for all, or one a prompt
     out = engine.generate(prompts, params)
     rewards, live = [[0.0] * len(g) for g in out], [(i, j, task.reset(p), 0) for i, p in enumerate(problems)

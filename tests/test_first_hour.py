@@ -35,11 +35,21 @@ def test_an_unknown_flag_is_one_line_and_exit_2(tmp_path):
     assert not os.path.exists(tmp_path / "run")
 
 
-def test_a_wrong_model_leaves_no_trace_and_the_corrected_command_runs(tmp_path):
+# runs a script as `python script.py ...` would, then says which of torch and transformers it had imported
+PROBE = "import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n" \
+        "finally:\n    print('loaded:', sorted({'torch', 'transformers'} & sys.modules.keys()))"
+
+
+def test_a_wrong_model_is_one_line_before_torch_loads_and_the_corrected_command_runs(tmp_path):
+    """A missing folder, and a hub id that is neither cached nor answers (CI has no hub: HF_HUB_OFFLINE=1 there)."""
     run_dir = str(tmp_path / "run")
-    out = script("train.py", "--run_dir", run_dir, "--model", str(tmp_path / "no_such_model"), "--max_steps", "1")
-    assert out.returncode != 0
-    assert not os.path.exists(f"{run_dir}/run.json") and not os.path.exists(f"{run_dir}/owner.json"), os.listdir(run_dir)
+    calls = [(name, "--run_dir", run_dir, "--model", model) for name in ("train.py", "generate.py")
+             for model in (str(tmp_path / "no_such_model"), "no-such-owner/no-such-model")]
+    for (name, *_, model), out in zip(calls, scripts([("-c", PROBE, *call) for call in calls])):
+        assert out.returncode == 1 and out.stdout.strip().endswith("loaded: []"), (name, out.stdout[-500:], out.stderr[-2000:])
+        assert len(lines := out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
+        assert lines[0].startswith(f"--model {model}: no such folder, nor a hub id that is cached or answers ("), lines
+    assert not os.path.exists(run_dir)
     gen = subprocess.Popen([sys.executable, "generate.py", "--run_dir", run_dir], cwd=ROOT, env=ENV,
                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
@@ -166,10 +176,8 @@ def test_help_shows_the_scripts_description_and_example_commands():
 
 def test_help_and_a_bad_value_answer_before_torch_loads():
     """The flags are read before torch and transformers load (3-5 s on this CPU): --help and a typo answer at once."""
-    probe = "import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n" \
-            "finally:\n    print('loaded:', sorted({'torch', 'transformers'} & sys.modules.keys()))"
     calls = [(name, *flags) for name in ("train.py", "generate.py", "proxy.py") for flags in (["--help"], ["--port", "x"])]
-    for (name, *flags), out in zip(calls, scripts([("-c", probe, *call) for call in calls])):
+    for (name, *flags), out in zip(calls, scripts([("-c", PROBE, *call) for call in calls])):
         assert out.returncode == (0 if flags == ["--help"] else 2), out.stderr[-2000:]
         assert out.stdout.strip().endswith("loaded: []"), (name, flags, out.stdout[-500:])
         why = "argument --port: invalid int value: 'x'" if name == "proxy.py" else "unrecognized arguments: --port x"

@@ -148,7 +148,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_in_one_line_before_an
                             str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert train.returncode == 1 and train.stderr.strip().splitlines() == [
         f"--max_turns 2: {model}'s chat template is not prefix-preserving (it renders earlier turns differently once "
-        "a reply follows), so a conversation would not be trained on the tokens sampled; use --max_turns 1"], train.stderr
+        "a reply follows), so a conversation would not train on the tokens sampled; use --max_turns 1"], train.stderr
     assert not run_dir.exists() or not any(run_dir.iterdir())
 
 
