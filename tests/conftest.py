@@ -109,6 +109,16 @@ def save_random_adapter(path, r=2, alpha=4.0, seed=0, targets=None, use_rslora=F
     return model
 
 
+def generate_here(*flags: str):
+    """`python generate.py FLAGS` run in this process instead, for a test that needs a run's groups before it starts a
+    trainer: torch and transformers are loaded here already, where a new process spends 7-9 s of CPU importing them."""
+    import unittest.mock
+
+    import generate
+    with unittest.mock.patch.object(sys, "argv", ["generate.py", *flags]):
+        generate.main()
+
+
 def publish_v0(run_dir, settings=None):
     """What the trainer does first: run.json and the untrained adapter (B = 0) as version 0. Returns its AdapterStore."""
     from minigrpo.adapters import AdapterStore

@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT, free_port
 from safetensors.torch import load_file
 
-from conftest import eval_records, publish_v0, train_records
+from conftest import eval_records, generate_here, publish_v0, train_records
 
 from minigrpo.run import RunSettings
 
@@ -26,8 +26,8 @@ FLAGS = ["--max_steps", "3", "--groups_per_step", "16", "--max_staleness", "100"
 def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
     base = str(tmp_path / "base")
     publish_v0(base, RunSettings(max_staleness=100))
-    subprocess.run([sys.executable, "generate.py", "--run_dir", base, "--generator_id", "g0", "--max_batches", "6",
-                    "--max_ready", "1000", "--max_staleness", "100"], cwd=ROOT, check=True, capture_output=True, timeout=300)  # 48 groups
+    generate_here("--run_dir", base, "--generator_id", "g0", "--max_batches", "6", "--max_ready", "1000",
+                  "--max_staleness", "100")  # 48 groups
     for name in ("one", "two"):
         shutil.copytree(base, tmp_path / name)
     one = subprocess.run([sys.executable, "train.py", "--run_dir", str(tmp_path / "one"), *FLAGS], cwd=ROOT,
@@ -60,8 +60,8 @@ def test_rank_0_may_work_alone_longer_than_the_collective_timeout(tmp_path):
     not less: the timeout also bounds the ranks' start-up rendezvous, and 2 s failed once on a loaded CI machine.)"""
     base, run = str(tmp_path / "base"), tmp_path / "late"
     publish_v0(base, RunSettings(max_staleness=100))
-    subprocess.run([sys.executable, "generate.py", "--run_dir", base, "--generator_id", "g0", "--max_batches", "4",
-                    "--max_ready", "1000", "--max_staleness", "100"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    generate_here("--run_dir", base, "--generator_id", "g0", "--max_batches", "4", "--max_ready", "1000",
+                  "--max_staleness", "100")
     shutil.copytree(base, run)
     shutil.move(run / "rollouts", tmp_path / "held_back")
     two = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",

@@ -88,10 +88,11 @@ def test_run_directory_is_left_consistent(demo_run):
 
 
 def test_starting_a_finished_run_again_says_so(demo_run):
-    again = subprocess.run([sys.executable, "train.py", "--run_dir", demo_run], cwd=ROOT, capture_output=True, text=True)
-    assert again.returncode != 0 and "finished run" in again.stderr
-    gen = subprocess.run([sys.executable, "generate.py", "--run_dir", demo_run], cwd=ROOT, capture_output=True, text=True)
-    assert gen.returncode != 0 and "finished run" in gen.stderr
+    procs = [subprocess.Popen([sys.executable, script, "--run_dir", demo_run], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for script in ("train.py", "generate.py")]  # side by side
+    for p in procs:
+        err = p.communicate(timeout=300)[1]
+        assert p.returncode != 0 and "finished run" in err, err[-2000:]
 
 
 @pytest.mark.parametrize("script", ["train.py", "generate.py"])

@@ -14,7 +14,7 @@ import time
 import http.server
 
 import pytest
-from conftest import ROOT, call, free_port, gen_records, publish_v0, rollout_groups, start, train_records, unconsumed
+from conftest import ROOT, call, free_port, gen_records, generate_here, publish_v0, rollout_groups, start, train_records, unconsumed
 
 from minigrpo.lora import DEFAULT_TARGETS, adapter_config, adapter_digest
 from minigrpo.rollouts import RolloutBuffer
@@ -32,8 +32,7 @@ def py(*args, log=None, env=None):
 def generated_groups(run_dir, batches: int) -> list:
     """generate.py's groups of `batches` batches on a run publish_v0 made, read back and taken out of rollouts/, for
     a test to rewrite before the trainer sees them."""
-    subprocess.run([sys.executable, "generate.py", "--run_dir", run_dir, "--max_batches", str(batches)], cwd=ROOT,
-                   check=True, capture_output=True, timeout=300)
+    generate_here("--run_dir", str(run_dir), "--max_batches", str(batches))
     storage = Storage(run_dir)
     groups = list(rollout_groups(storage).values())
     storage.delete([f"rollouts/{f}" for f in storage.list("rollouts")])

@@ -203,8 +203,9 @@ def test_one_lying_generator_among_three_is_caught_and_only_it(tmp_path):
     assert sum(r["sample/policy_mismatch"] for r in records) > 0 and caught_writers(run_dir) == {"impostor2"}, out[-3000:]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_healthy_run_has_no_policy_mismatch(tmp_path, dtype):
-    records, out = run_fleet(str(tmp_path / "run"), ["honest"], ["--max_steps", "8", "--groups_per_step", "8"], dtype)
+def test_a_healthy_bfloat16_run_has_no_policy_mismatch(tmp_path):
+    """bf16 rounds more than float32 (policy_tol: 10x); float32's healthy runs are test_e2e's demo (100 steps) and the
+    honest generators beside test_one_lying_generator_among_three_is_caught_and_only_it's impostor."""
+    records, out = run_fleet(str(tmp_path / "run"), ["honest"], ["--max_steps", "8", "--groups_per_step", "8"], "bfloat16")
     assert "POLICY MISMATCH" not in out and all(r["sample/policy_mismatch"] == 0 for r in records)
     assert all(len(g.rsplit("-", 2)[1]) == 16 for r in records for g in r["group_ids"]), "64-bit life suffixes"
