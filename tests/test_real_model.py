@@ -15,7 +15,7 @@ import sys
 
 import pytest
 from conftest import ROOT, free_port, rollout_groups, start, train_records
-from vllm_replicas import KEY, SERVE_FLAGS, VLLM_PYTHON, Replica, run_id, vllm_python
+from vllm_replicas import KEY, SERVE_FLAGS, VLLM_PYTHON, Replica, run_id, vllm_available, vllm_python
 
 from minigrpo.storage import Storage
 from minigrpo.tasks import MathTask, prompt_ids
@@ -38,7 +38,7 @@ def smollm2(tmp_path_factory):
     real_model.make_task(data)
     flags = SERVE_FLAGS[:-2] + ["--max-model-len", "512"]  # the demo's 64 tokens cannot hold the chat prompt
     log = tmp_path_factory.mktemp("vllm-real") / "replica.log"
-    replica = Replica(VLLM_PYTHON, log, model, flags) if os.path.isfile(VLLM_PYTHON) else None
+    replica = Replica(VLLM_PYTHON, log, model, flags) if vllm_available() else None
     try:
         yield model, data, replica
     finally:

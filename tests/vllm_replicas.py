@@ -4,7 +4,8 @@ in conftest.py (`replicas`, `proxy`, `pair`), shared by test_vllm.py and test_vl
 starts one of its own, of SmolLM2, with the same Replica.
 
 Without the environment the tests that need it skip and say why; with MINIGRPO_REQUIRE_VLLM=1 (CI) they fail
-instead. MINIGRPO_VLLM_PYTHON names another vLLM interpreter.
+instead. MINIGRPO_VLLM_PYTHON names another vLLM interpreter. MINIGRPO_VLLM_BUILD names the file in which .ci/run's
+background build of the environment writes its exit status: the tests wait for it (they come late in the run).
 """
 import contextlib
 import json
@@ -37,8 +38,19 @@ SERVE_FLAGS = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "6", "--m
                "--max-model-len", "64"]
 
 
+def vllm_available() -> bool:
+    """Whether the environment is there, once a build that is under way (MINIGRPO_VLLM_BUILD) has ended."""
+    if status := os.environ.get("MINIGRPO_VLLM_BUILD"):
+        deadline = time.time() + 1800
+        while not os.path.exists(status) and time.time() < deadline:
+            time.sleep(1)
+        if not os.path.exists(status) or open(status).read().strip() != "0":
+            pytest.fail(f".ci/vllm-env failed or did not end (status file {status}): see .ci-vllm-env.log")
+    return os.path.isfile(VLLM_PYTHON)
+
+
 def vllm_python() -> str:
-    if os.path.isfile(VLLM_PYTHON):
+    if vllm_available():
         return VLLM_PYTHON
     why = f"no vLLM environment at {VLLM_PYTHON}: build it with .ci/vllm-env"
     if os.environ.get("MINIGRPO_REQUIRE_VLLM") == "1":
