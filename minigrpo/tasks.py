@@ -178,7 +178,7 @@ def check_turns(tokenizer, run):  # --max_turns above 1: a template that rewrite
 def rollout(engine, tokenizer, task, problems, prompts, params, run) -> tuple[list, list[list[float]]]:
     """(completions[i][j], rewards[i][j]): params[i].n samples for problems[i] (prompts[i]: its ids). With --max_turns above 1
     a sample is a conversation: a turn up to its stop token; task.step's reply (or the end) and reward; the reply's ids with
-    mask 0 and log-prob 0; the next turn; all within max_new_tokens. Sampled ids are never decoded and encoded again."""
+    mask 0 and log-prob 0; the next turn; all within max_new_tokens; the last reward counts. Ids are never decoded and re-encoded."""
     params = params if isinstance(params, list) else [params] * len(prompts)  # one for all, or one a prompt
     out = engine.generate(prompts, params)
     rewards, live = [[0.0] * len(g) for g in out], [(i, j, task.reset(p), 0) for i, p in enumerate(problems)
