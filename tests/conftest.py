@@ -36,6 +36,30 @@ def arch(request):
     return request.param
 
 
+VLLM_FILES = {"test_real_model", "test_vllm", "test_vllm_parity"}  # these need real vLLM (tests/vllm_replicas.py)
+
+
+def pytest_collection_modifyitems(items):  # the files that need real vLLM first (stable: each file keeps its order)
+    items.sort(key=lambda item: item.path.stem not in VLLM_FILES)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's: `-n 2`, as .ci/run runs the suite on CI's two cores
+def pytest_xdist_make_scheduler(config, log):
+    """A file's tests on one worker (its module fixtures start once), and the files that need real vLLM on one (their
+    replicas start once), in collection order: those go first, as they wait for .ci/run's vLLM environment, still
+    building, while the other worker starts on the rest. (--dist loadgroup would do it, but pytest-xdist 3.8 names
+    a group in a way pytest 9.2 ignores.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Files(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "vllm" if os.path.basename(file).removesuffix(".py") in VLLM_FILES else file
+
+    config.option.loadscopereorder = False  # xdist would put the files with the most tests first
+    return Files(config, log)
+
+
 # ---- real processes on loopback: servers, proxies ----
 import contextlib
 import json

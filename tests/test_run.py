@@ -68,7 +68,8 @@ def test_a_dead_lease_is_taken_over_after_the_timeout_on_this_processs_clock(sto
     storage.put("metrics/train-e000002-x-0001-00000.jsonl", "{}\n")  # a life's epoch survives a garbage lease
     lease, t0 = no_exit(Lease(storage, timeout_s=0.5)), time.monotonic()
     lease.acquire()
-    assert 0.5 <= time.monotonic() - t0 < 5
+    assert 0.5 <= time.monotonic() - t0 < 30  # after the timeout, not at once; a loaded machine (CI's 2 cores, two
+    # pytest workers) took 6.8 s for what takes 0.6 s alone
     assert lease.info["epoch"] == (5 if '"epoch": 4' in raw else 3)
     assert json.loads(storage.get("owner.json"))["owner"] == lease.info["owner"]
     lease.stop.set()
