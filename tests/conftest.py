@@ -53,8 +53,8 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Files(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            file = nodeid.split("::", 1)[0]
-            return "vllm" if os.path.basename(file).removesuffix(".py") in VLLM_FILES else file
+            file = nodeid.split("::", 1)[0]  # tests/test_vllm.py
+            return "vllm" if file.rsplit("/", 1)[-1].removesuffix(".py") in VLLM_FILES else file
 
     config.option.loadscopereorder = False  # xdist would put the files with the most tests first
     return Files(config, log)
