@@ -75,9 +75,9 @@ from minigrpo.storage import Storage
 
 
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats):
-    """(groups_per_step fresh groups that passed the audit, those it quarantined, wait s). Stale, caught and (dapo)
-    zero-std groups are consumed and counted; every 5 polls the lease says what waits and asks one more per drop."""
-    t0, last_seen, told, groups, caught, taken_n, said = time.time(), time.time(), 0.0, [], [], 0, 0
+    """(groups_per_step fresh groups that passed the audit, those it quarantined, s waiting, s auditing). Stale, caught and
+    (dapo) zero-std groups are consumed and counted; each 5 polls the lease says what waits and asks one more a drop."""
+    t0, last_seen, told, groups, caught, taken_n, said, audit_s = time.time(), time.time(), 0.0, [], [], 0, 0, 0.0
     while len(groups) < cfg.groups_per_step:
         taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
         taken_n, kept = taken_n + len(taken), len(groups)
@@ -85,10 +85,11 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats)
         fresh = [g for g in recent if cfg.loss_type != "dapo" or len(set(g.rewards)) != 1]  # dapo, zero std: no signal
         stats["dropped_stale_total"] += len(taken) - len(recent)
         stats["dropped_zero_std_total"] += len(recent) - len(fresh)
+        audit_s -= time.time()  # compute, not waiting: perf/audit_s, apart from perf/rollout_wait_s
         for g, gap, tol in (lies := audit(fresh)):
             buffer.quarantine(g.group_id, g, f"PolicyMismatch: policy_version: v{g.policy_version}'s "
                               f"weights give a mean |log pi - log mu| of {gap:.4f} a token (tolerance {tol:g})", stats)
-        caught, lied = caught + [g for g, *_ in lies], {id(g) for g, *_ in lies}
+        caught, lied, audit_s = caught + [g for g, *_ in lies], {id(g) for g, *_ in lies}, audit_s + time.time()
         groups += [g for g in fresh if id(g) not in lied]
         if len(groups) > kept:  # one to learn from: a dapo policy that gets every sample alike right or wrong has none
             last_seen, said = time.time(), 0
@@ -103,7 +104,7 @@ def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats)
         if len(groups) < cfg.groups_per_step and time.time() - told > 5 * buffer.storage.poll_s:  # backpressure
             lease.write(wait=False, **buffer.progress(lease.timeout_s), groups_per_step=cfg.groups_per_step + taken_n - len(groups))
             told = time.time()
-    return groups, caught, time.time() - t0
+    return groups, caught, time.time() - t0 - audit_s, audit_s
 
 
 def build_samples(groups, run, cfg):  # one Sample per completion, with its group-normalised advantage
@@ -281,8 +282,7 @@ def main(task=None):  # task: the one the __main__ block checked, else built her
     step, stats = state["step"] if state else 0, dict.fromkeys(counters, 0) | (state["stats"] if state else {})
     for p in params if world > 1 else []:  # rank 0's weights on every rank (a resume loaded them there)
         dist.broadcast(p.data, src=0)
-    evaluate_now = partial(evaluate, engine, tokenizer, task, eval_problems, run, cfg.seed, cfg.eval_batch_tokens,
-                           rank, world, waiting)
+    evaluate_now = partial(evaluate, engine, tokenizer, task, eval_problems, run, cfg.seed, cfg.eval_batch_tokens, rank, world, waiting)
     if rank > 0:  # the other ranks only compute and evaluate: rank 0 reads groups, publishes, checkpoints and logs
         if step == 0:
             evaluate_now()
@@ -312,7 +312,7 @@ def main(task=None):  # task: the one the __main__ block checked, else built her
         t0, validate = time.time(), partial(check_group, run=meta, vocab_size=model.config.vocab_size, version=version,
                                             digest_of=store.digest, reward_range=getattr(task, "reward_range", (0.0, 1.0)))
         check = partial(audit, model, weights_of=lambda v: store.weights(v)[0], run=run, cfg=cfg, device=device)
-        groups, caught, wait_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, check, stats)
+        groups, caught, wait_s, audit_s = take_batch(buffer, ledger, lease, cfg, run, version, validate, check, stats)
         lease.write(wait=False, **(queue := buffer.progress(lease.timeout_s)), step=step, groups_per_step=cfg.groups_per_step)
         staleness = [version - g.policy_version for g in groups]  # versions behind the weights it trains: not the record's
         (samples, rewards, lengths), t1, sync_s = build_samples(groups, run, cfg), time.time(), 0.0
@@ -335,7 +335,7 @@ def main(task=None):  # task: the one the __main__ block checked, else built her
             t_eval = time.time()  # evaluation has a time of its own: perf/step_s includes it, perf/fwd_bwd_s not
             record |= {"eval/accuracy": evaluate_now(), "perf/eval_s": time.time() - t_eval}
         record |= {"sample/policy_mismatch": len(caught), "sample/rollout_queue_size": queue["waiting"],
-                   "perf/rollout_wait_s": wait_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s,
+                   "perf/rollout_wait_s": wait_s, "perf/audit_s": audit_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/weight_sync_s": sync_s,
                    "perf/step_s": time.time() - t0, "lr": cfg.lr, "time": time.time(),
                    "perf/peak_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0}
         acc = f" | eval/accuracy {record['eval/accuracy']:.3f}" if "eval/accuracy" in record else ""

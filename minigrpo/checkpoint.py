@@ -29,8 +29,7 @@ def save_checkpoint(storage, step: int, epoch: int, model_state: dict, adapter_c
 
 def prune_checkpoints(storage, keep: list[str]):  # delete all older than the lease's, those of killed or deposed lives too
     oldest = min(int(NAME.match(s)[1]) for s in keep)
-    storage.delete([f"checkpoints/{s}" for s in storage.list("checkpoints") if (m := NAME.match(s)) and int(m[1]) < oldest],
-                   recursive=True)
+    storage.delete([f"checkpoints/{s}" for s in storage.list("checkpoints") if (m := NAME.match(s)) and int(m[1]) < oldest], recursive=True)
 
 
 def load_checkpoint(storage, model, optimizer, names: list[str] | None = None) -> tuple[dict | None, list[str]]:

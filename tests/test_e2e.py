@@ -47,6 +47,15 @@ def test_accuracy_rises(demo_run):
     assert all(0 < r["perf/eval_s"] < r["perf/step_s"] - r["perf/fwd_bwd_s"] + 1e-3 for r in evals[1:])
 
 
+def test_the_policy_audit_has_a_time_of_its_own(demo_run):
+    """The audit's no-grad pass is compute, not waiting for rollouts: perf/audit_s, apart from perf/rollout_wait_s,
+    and the parts of a step add up to no more than the step."""
+    steps = train_records(demo_run)
+    assert all(r["perf/audit_s"] > 0 for r in steps)  # every step audits its fresh groups (--policy_check_tol > 0)
+    parts = ("perf/audit_s", "perf/rollout_wait_s", "perf/fwd_bwd_s", "perf/weight_sync_s", "perf/eval_s")
+    assert all(sum(r.get(k, 0.0) for k in parts) <= r["perf/step_s"] + 1e-3 for r in steps)
+
+
 def test_every_group_was_trained_exactly_once(demo_run):
     steps = train_records(demo_run)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))

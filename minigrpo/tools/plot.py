@@ -54,7 +54,7 @@ def dashboard(storage: Storage, bad: list) -> Figure:
     right_axis(stale, "staleness in versions (left); run totals (right)",  # so never on staleness's scale
                [(x, col(k), f"{k.split('/')[-1][:-6]} (total)", f"C{i}") for i, k in enumerate(totals, 3)])
 
-    parts = {"perf/fwd_bwd_s": "forward+backward", "perf/rollout_wait_s": "rollout wait",
+    parts = {"perf/fwd_bwd_s": "forward+backward", "perf/audit_s": "policy audit", "perf/rollout_wait_s": "rollout wait",
              "perf/weight_sync_s": "weight sync", "perf/eval_s": "evaluation"}  # eval_s only on the steps that evaluate
     timing.stackplot(x, *(col(k, 0.0) for k in parts), labels=parts.values(), alpha=0.8)
     timing.plot(x, col("perf/step_s"), color="k", lw=0.5, label="step total")
