@@ -28,7 +28,7 @@ class GenerateConfig:
     max_inflight: int = field(default=64, metadata={"help": "--engine http: most requests in flight at once"})
     generator_id: str = field(default="", metadata={"help": "names this generator's files; default host-pid"})
     prompts_per_batch: int = field(default=0, metadata={"help": "prompts a batch, written as one object (0: 8; 16 on a bucket)"})
-    max_ready: int = field(default=64, metadata={"help": "backpressure: most groups left waiting for the trainer"})
+    max_ready: int = field(default=0, metadata={"help": "backpressure: most groups left waiting for the trainer (0: 8 batches)"})
     seed: int = field(default=0, metadata={"help": "seed for prompts and sampling (mixed with generator_id)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 leaves a core to the trainer)"})
@@ -78,6 +78,7 @@ def main(task=None):  # task: the one the __main__ block checked, else built her
     writer = f"{gen_id}-{uuid.uuid4().hex[:16]}"  # this life's name: a restart never rewrites an old group
     storage, task = Storage(cfg.run_dir), task or make_task(run)  # a bad task setting stops it before it waits for run.json
     cfg.prompts_per_batch = cfg.prompts_per_batch or (8 if storage.local else 16)  # a bucket bills each request
+    cfg.max_ready = cfg.max_ready or 8 * cfg.prompts_per_batch  # room for a step's groups and more, whatever the batch
     if storage.exists("DONE"):
         raise SystemExit(f"{cfg.run_dir} is a finished run ({storage.url('DONE')} exists): pass another --run_dir.")
     meta, poll_s = join_run(storage, run), max(cfg.poll_s, storage.poll_s)  # a bucket charges per request: look less often

@@ -11,9 +11,10 @@ CPU moto spent, and times single requests (a PUT and a GET of 6 kB, one group, a
 listing) one after another, with the CPU each costs moto and the client: bench/results/bucket_profile.json.
 
 Reported per target: the wall time of the whole run, the mean step time (evaluation left out) over the first 50 steps
-and over the last 50, the mean rollout wait, and the CPU seconds a step of the trainer, the generator and moto
-together (and moto's alone): on 2 cores that sum bounds the step; then each bucket target's ratio to the folder run
-of the same turn.
+and over the last 50, the mean rollout wait and policy audit a step, and the CPU seconds a step of the trainer, the
+generator and moto together (and moto's alone): on 2 cores that sum bounds the step; where the generator's time went,
+as shares of the trainer's wall (sampling, held back by --max_ready, loading adapters, the rest); the stale groups
+dropped and the last evaluation's accuracy; then each bucket target's ratio to the folder run of the same turn.
 """
 import argparse
 import json
@@ -77,11 +78,19 @@ def demo(root: str, run_dir: str, steps: int, env: dict, server: int | None = No
     dropped = [0] + [sum(r[f"sample/{k}"] for k in ("dropped_stale_total", "dropped_zero_std_total", "bad_total"))
                      for r in records]  # running totals: what a step consumed is what it trained and what it dropped
     groups = [len(r["group_ids"]) + b - a for r, a, b in zip(records, dropped, dropped[1:])]
+    from minigrpo.run import read_records
+    from minigrpo.storage import Storage
+    batches = read_records(Storage(run_dir), "generate-")  # where the generator's time went, a share of the trainer's wall
+    gen = {f"gen_{name}": sum(b[k] for b in batches) / wall for name, k in (("sampling", "perf/generate_s"),
+           ("held_back", "rollout/backpressure_s"), ("adapter_load", "perf/weight_sync_s"))}
     last = f"_{max(1, steps - 49)}_{steps}"  # the last 50 steps, against the first 50
     return {"wall_s": wall, "step_s_1_50": statistics.mean(step_s[:50]), f"step_s{last}": statistics.mean(step_s[-50:]),
             "groups_1_50": statistics.mean(groups[:50]), f"groups{last}": statistics.mean(groups[-50:]),
-            "wait_s": statistics.mean(r["perf/rollout_wait_s"] for r in records), "cpu_s_step": (clients + moto) / steps,
-            "server_cpu_s_step": moto / steps}
+            "wait_s": statistics.mean(r["perf/rollout_wait_s"] for r in records),
+            "audit_s": statistics.mean(r.get("perf/audit_s", 0.0) for r in records),  # an older checkout's: 0, in wait_s
+            "cpu_s_step": (clients + moto) / steps, "server_cpu_s_step": moto / steps, "gen_batches": len(batches), **gen,
+            "gen_other": 1 - sum(gen.values()),  # gen_*: shares of the wall; other: a batch's write, prompts, records
+            "stale_total": records[-1]["sample/dropped_stale_total"], "accuracy": records[-1].get("eval/accuracy", float("nan"))}
 
 
 def summary(runs: list[dict]) -> dict:
@@ -99,8 +108,8 @@ def table(runs: dict, steps: int) -> list[dict]:
     for name, r in runs.items():
         if name != "local":
             rows.append({"target": f"{name} / local", "steps": steps, "runs": len(r), **summary(
-                [{k: v / local[i][k] for k, v in run.items() if k not in ("wait_s", "server_cpu_s_step")
-                  and not k.startswith("groups")} for i, run in enumerate(r)])})
+                [{k: v / local[i][k] for k, v in run.items() if k not in ("wait_s", "audit_s", "server_cpu_s_step")
+                  and not k.startswith(("groups", "gen_", "stale", "acc"))} for i, run in enumerate(r)])})
             rows.append({"target": f"{name} - local, ms a group", "steps": steps, "runs": len(r), **summary(
                 [{f"extra_ms_group{k[6:]}": 1000 * (v - local[i][k]) / run[f"groups{k[6:]}"] for k, v in run.items()
                   if k.startswith("step_s")} for i, run in enumerate(r)])})  # step_s_1_50 -> groups_1_50
@@ -158,7 +167,8 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--root", default=str(ROOT), help="the checkout to run")
-    parser.add_argument("--baseline", default="", help="another checkout to run on the bucket too (before a change)")
+    parser.add_argument("--baseline", default="", help="another checkout to run on the bucket too (before a change); "
+                        "several: DIR,DIR (their targets: 's3 DIR's name')")
     parser.add_argument("--name", default="bucket")
     parser.add_argument("--profile", action="store_true", help="count and time a bucket run's requests instead")
     parser.add_argument("--again", default="", help="a results file of this bench: its table again, from its runs")
@@ -173,8 +183,8 @@ if __name__ == "__main__":
     moto, env = start_moto()
     import boto3
     targets = {"local": (args.root, False), "s3": (args.root, True)}
-    if args.baseline:
-        targets["s3 baseline"] = (args.baseline, True)
+    for other in filter(None, args.baseline.split(",")):
+        targets["s3 baseline" if "," not in args.baseline else f"s3 {os.path.basename(other.rstrip('/'))}"] = (other, True)
     runs = {k: [] for k in targets}
     try:
         for i in range(args.repeats):

@@ -163,3 +163,14 @@ def test_a_generator_looks_for_DONE_only_while_no_live_lease_says_a_trainer_runs
         assert gen.wait(timeout=60) == 0
     finally:
         gen.kill()
+
+
+def test_a_generator_leaves_room_for_eight_of_its_batches_on_a_bucket_and_in_a_folder(s3_bucket, tmp_path):
+    """A bucket's batch is 16 prompts (a request each), a folder's 8; --max_ready's default is 8 batches, 128 groups
+    and 64. (At 64 on a bucket, fewer than 4 batches ahead, a dapo step that drops a third of its groups waited for
+    the generator the lease held back: bench/README.md, "A bucket".)"""
+    for run_dir, room in ((f"{s3_bucket}/run-room", "16, 'max_ready': 128"), (str(tmp_path / "run"), "8, 'max_ready': 64")):
+        publish_v0(run_dir)
+        out = subprocess.run([sys.executable, "generate.py", "--run_dir", run_dir, "--generator_id", "g", "--max_batches",
+                              "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert f"'prompts_per_batch': {room}," in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
