@@ -13,8 +13,9 @@ listing) one after another, with the CPU each costs moto and the client: bench/r
 Reported per target: the wall time of the whole run, the mean step time (evaluation left out) over the first 50 steps
 and over the last 50, the mean rollout wait and policy audit a step, and the CPU seconds a step of the trainer, the
 generator and moto together (and moto's alone): on 2 cores that sum bounds the step; where the generator's time went,
-as shares of the trainer's wall (sampling, held back by --max_ready, loading adapters, the rest); the stale groups
-dropped and the last evaluation's accuracy; then each bucket target's ratio to the folder run of the same turn.
+as shares of the trainer's wall (sampling, held back by --max_ready, loading adapters, the rest: its start-up, each
+batch's write and prompts); the stale groups dropped and the last evaluation's accuracy; then each bucket target's
+ratio to the folder run of the same turn.
 """
 import argparse
 import json
@@ -34,6 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from common import cpu_s, report  # noqa: E402
 from conftest import free_port, train_records  # noqa: E402
+from minigrpo.run import read_records  # noqa: E402
+from minigrpo.storage import Storage  # noqa: E402
 
 
 def start_moto(log=subprocess.DEVNULL) -> tuple[subprocess.Popen, dict]:
@@ -78,8 +81,6 @@ def demo(root: str, run_dir: str, steps: int, env: dict, server: int | None = No
     dropped = [0] + [sum(r[f"sample/{k}"] for k in ("dropped_stale_total", "dropped_zero_std_total", "bad_total"))
                      for r in records]  # running totals: what a step consumed is what it trained and what it dropped
     groups = [len(r["group_ids"]) + b - a for r, a, b in zip(records, dropped, dropped[1:])]
-    from minigrpo.run import read_records
-    from minigrpo.storage import Storage
     batches = read_records(Storage(run_dir), "generate-")  # where the generator's time went, a share of the trainer's wall
     gen = {f"gen_{name}": sum(b[k] for b in batches) / wall for name, k in (("sampling", "perf/generate_s"),
            ("held_back", "rollout/backpressure_s"), ("adapter_load", "perf/weight_sync_s"))}
@@ -89,7 +90,7 @@ def demo(root: str, run_dir: str, steps: int, env: dict, server: int | None = No
             "wait_s": statistics.mean(r["perf/rollout_wait_s"] for r in records),
             "audit_s": statistics.mean(r.get("perf/audit_s", 0.0) for r in records),  # an older checkout's: 0, in wait_s
             "cpu_s_step": (clients + moto) / steps, "server_cpu_s_step": moto / steps, "gen_batches": len(batches), **gen,
-            "gen_other": 1 - sum(gen.values()),  # gen_*: shares of the wall; other: a batch's write, prompts, records
+            "gen_other": 1 - sum(gen.values()),  # gen_*: shares of the wall; other: start-up, each batch's write and prompts
             "stale_total": records[-1]["sample/dropped_stale_total"], "accuracy": records[-1].get("eval/accuracy", float("nan"))}
 
 
@@ -119,7 +120,6 @@ def table(runs: dict, steps: int) -> list[dict]:
 def profile(steps: int):
     """One bucket demo with moto's request log: requests per step by kind; then single requests, timed."""
     import re
-    from minigrpo.storage import Storage
     with tempfile.TemporaryDirectory() as tmp:
         with open(f"{tmp}/moto.log", "w") as log:
             moto, env = start_moto(log)
