@@ -15,7 +15,8 @@ and over the last 50, the mean rollout wait and policy audit a step, and the CPU
 generator and moto together (and moto's alone): on 2 cores that sum bounds the step; where the generator's time went,
 as shares of the trainer's wall (sampling, held back by --max_ready, loading adapters, the rest: its start-up, each
 batch's write and prompts); the stale groups dropped and the last evaluation's accuracy; then each bucket target's
-ratio to the folder run of the same turn.
+ratio to the folder run of the same turn, our_cpu_s_step being the trainer's and the generator's CPU alone (moto's
+left out: a real bucket's server does not share the trainer's cores).
 """
 import argparse
 import json
@@ -110,7 +111,9 @@ def table(runs: dict, steps: int) -> list[dict]:
         if name != "local":
             rows.append({"target": f"{name} / local", "steps": steps, "runs": len(r), **summary(
                 [{k: v / local[i][k] for k, v in run.items() if k not in ("wait_s", "audit_s", "server_cpu_s_step")
-                  and not k.startswith(("groups", "gen_", "stale", "acc"))} for i, run in enumerate(r)])})
+                  and not k.startswith(("groups", "gen_", "stale", "acc"))}  # and the CPU of ours, moto's left out:
+                 | {"our_cpu_s_step": (run["cpu_s_step"] - run["server_cpu_s_step"]) / local[i]["cpu_s_step"]}
+                 for i, run in enumerate(r)])})
             rows.append({"target": f"{name} - local, ms a group", "steps": steps, "runs": len(r), **summary(
                 [{f"extra_ms_group{k[6:]}": 1000 * (v - local[i][k]) / run[f"groups{k[6:]}"] for k, v in run.items()
                   if k.startswith("step_s")} for i, run in enumerate(r)])})  # step_s_1_50 -> groups_1_50
