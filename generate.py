@@ -114,7 +114,7 @@ def main(task=None):  # task: the one the __main__ block checked, else built her
         newest = lambda: lease["version"] if watch["live"] and lease["version"] >= 0 else store.latest()  # a live lease: no GET
         if waiting > cfg.max_ready or (cfg.lockstep and made.get(engine.version, 0) >= lease["groups_per_step"]
                                        and (newest() or 0) <= engine.version):
-            time.sleep(min(poll_s, max(cfg.poll_s, 0.05)) if watch.get("live") else poll_s)  # held back: a live trainer drains soon
+            time.sleep(poll_s)  # held back: look again in a poll (on a bucket each look is a request)
             continue
         backpressure_s, t0 = time.time() - idle_since, time.time()
         if (latest := newest()) is not None and latest != engine.version and latest not in skipped:

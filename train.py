@@ -76,8 +76,8 @@ from minigrpo.storage import Storage
 
 def take_batch(buffer, ledger, lease, cfg, run, version, validate, audit, stats):
     """(groups_per_step fresh groups that passed the audit, those it quarantined, s waiting, s auditing). Stale, caught and
-    (dapo) zero-std groups are consumed and counted; each 5 polls the lease says what waits and asks one more a drop."""
-    t0, last_seen, told, groups, caught, taken_n, said, audit_s = time.time(), time.time(), 0.0, [], [], 0, 0, 0.0
+    (dapo) zero-std groups are consumed and counted; each 5 polls waited, the lease says what waits and asks one more a drop."""
+    t0, last_seen, told, groups, caught, taken_n, said, audit_s = time.time(), time.time(), time.time(), [], [], 0, 0, 0.0
     while len(groups) < cfg.groups_per_step:
         taken = buffer.take(cfg.groups_per_step - len(groups), ledger, validate, stats)
         taken_n, kept = taken_n + len(taken), len(groups)

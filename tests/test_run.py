@@ -105,6 +105,27 @@ def test_a_write_that_does_not_wait_is_made_by_the_heartbeats_thread_and_none_on
     assert not lease.beat.is_alive() and json.loads(storage.get("owner.json"))["step"] == 7
 
 
+def test_a_take_that_waits_less_than_five_polls_writes_no_lease(tmp_path):
+    """The trainer says what waits (for the generators' backpressure) once it has waited 5 polls for a step's groups,
+    not at its first look: here the second look finds the rest, and nothing is written."""
+    from types import SimpleNamespace
+
+    from test_rundir import make_group
+    from train import take_batch
+
+    from minigrpo.rollouts import Ledger, RolloutBuffer
+    from minigrpo.storage import Storage
+    buffer, writes, looks = RolloutBuffer(Storage(str(tmp_path / "run")), "r1"), [], []
+    buffer.storage.poll_s = 1.0  # 5 polls: 5 s, more than the two looks below take on any machine
+    buffer.write([make_group(), make_group()], "w", seq=0)
+    write_next = lambda group: looks.append(group) or len(looks) == 1 and buffer.write([make_group(), make_group()], "w", seq=1)
+    lease = SimpleNamespace(timeout_s=60.0, write=lambda **progress: writes.append(progress))
+    cfg = SimpleNamespace(groups_per_step=4, loss_type="grpo", wait_timeout_s=60.0)
+    groups = take_batch(buffer, Ledger(), lease, cfg, RunSettings(), 3, write_next, lambda gs: [], {"dropped_stale_total": 0,
+                        "dropped_zero_std_total": 0})[0]
+    assert len(groups) == 4 and len(looks) == 4 and writes == []
+
+
 def test_metrics_are_written_in_segments_and_the_newest_lifes_record_of_a_step_stands(storage, monkeypatch):
     monkeypatch.setattr(time, "time", lambda: 9e9)  # the first life's clock ran far ahead: it does not matter
     first = Metrics(storage, "train-e000001", segment=2)

@@ -165,6 +165,32 @@ def test_a_generator_looks_for_DONE_only_while_no_live_lease_says_a_trainer_runs
         gen.kill()
 
 
+def test_a_held_back_generator_looks_at_the_lease_once_a_poll(s3_bucket):
+    """Held back by --max_ready, a generator looks at the lease (a GET on a bucket) once a poll, 0.2 s on a bucket,
+    not every 50 ms: while it waits, the trainer's requests, not its own, should have the server."""
+    from minigrpo.run import Lease
+    run_dir = f"{s3_bucket}/run-held"
+    publish_v0(run_dir)
+    lease = Lease(Storage(run_dir), 60.0)
+    lease.acquire()
+    lease.write(version=0, waiting=1000)  # more than --max_ready waits: hold back
+    code = ("import sys, threading, time, generate, minigrpo.storage as s; keys, naps, get, nap = [], [], s.Storage.get, time.sleep\n"
+            "s.Storage.get = lambda self, key: keys.append(key) or get(self, key)\n"
+            "def sleep(t):\n"
+            "    if threading.current_thread() is threading.main_thread():\n"
+            "        naps.append(t)\n"
+            "        if len(naps) == 5: sys.exit(f'naps {naps} lease reads {keys.count(\"owner.json\")}')\n"
+            "    nap(t)\n"
+            f"time.sleep = sleep; sys.argv = ['generate.py', '--run_dir', {run_dir!r}, '--generator_id', 'g']\n"
+            "generate.main()")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        lease.release()
+    assert "naps [0.2, 0.2, 0.2, 0.2, 0.2] lease reads 5\n" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+    assert Storage(run_dir).list("rollouts") == []
+
+
 def test_a_generator_leaves_room_for_eight_of_its_batches_on_a_bucket_and_in_a_folder(s3_bucket, tmp_path):
     """A bucket's batch is 16 prompts (a request each), a folder's 8; --max_ready's default is 8 batches, 128 groups
     and 64. (At 64 on a bucket, fewer than 4 batches ahead, a dapo step that drops a third of its groups waited for
