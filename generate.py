@@ -113,8 +113,8 @@ def main(task=None):  # task: the one the __main__ block checked, else built her
             grow, read_at = (lease["writers"] + 1) * cfg.prompts_per_batch, time.monotonic()  # errs high: N + 1 writers
         newest = lambda: lease["version"] if watch["live"] and lease["version"] >= 0 else store.latest()  # a live lease: no GET
         if waiting > cfg.max_ready or (cfg.lockstep and made.get(engine.version, 0) >= lease["groups_per_step"]
-                                       and (newest() or 0) <= engine.version):  # held back: a poll; lockstep: v+1 is soon
-            time.sleep(min(poll_s, max(cfg.poll_s, 0.05)) if cfg.lockstep and watch.get("live") else poll_s)
+                                       and (newest() or 0) <= engine.version):
+            time.sleep(poll_s)  # held back: look again in a poll (on a bucket each look is a request)
             continue
         backpressure_s, t0 = time.time() - idle_since, time.time()
         if (latest := newest()) is not None and latest != engine.version and latest not in skipped:

@@ -8,7 +8,6 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 from conftest import ROOT, gen_records, publish_v0, train_records
 from test_rundir import make_group
 
@@ -166,18 +165,15 @@ def test_a_generator_looks_for_DONE_only_while_no_live_lease_says_a_trainer_runs
         gen.kill()
 
 
-@pytest.mark.parametrize("lockstep", [False, True])
-def test_a_held_back_generator_looks_at_the_lease_once_a_poll_unless_lockstep_waits_for_the_next_version(s3_bucket, lockstep):
+def test_a_held_back_generator_looks_at_the_lease_once_a_poll(s3_bucket):
     """Held back by --max_ready, a generator looks at the lease (a GET on a bucket) once a poll, 0.2 s on a bucket,
-    not every 50 ms: the trainer has about 3 steps of groups in hand, and while the generator waits the trainer's
-    requests, not its own, should have the server. With --lockstep, once it made the step's groups it waits for the
-    next version, which a live trainer publishes within a step: it looks every 50 ms."""
+    not every 50 ms: while it waits, the trainer's requests, not its own, should have the server."""
     from minigrpo.run import Lease
-    run_dir = f"{s3_bucket}/run-held-{lockstep}"
+    run_dir = f"{s3_bucket}/run-held"
     publish_v0(run_dir)
     lease = Lease(Storage(run_dir), 60.0)
     lease.acquire()
-    lease.write(version=0, waiting=0 if lockstep else 1000, groups_per_step=1)  # 1000 waiting: more than --max_ready
+    lease.write(version=0, waiting=1000)  # more than --max_ready waits: hold back
     code = ("import sys, threading, time, generate, minigrpo.storage as s; keys, naps, get, nap = [], [], s.Storage.get, time.sleep\n"
             "s.Storage.get = lambda self, key: keys.append(key) or get(self, key)\n"
             "def sleep(t):\n"
@@ -185,16 +181,14 @@ def test_a_held_back_generator_looks_at_the_lease_once_a_poll_unless_lockstep_wa
             "        naps.append(t)\n"
             "        if len(naps) == 5: sys.exit(f'naps {naps} lease reads {keys.count(\"owner.json\")}')\n"
             "    nap(t)\n"
-            f"time.sleep = sleep; sys.argv = ['generate.py', '--run_dir', {run_dir!r}, '--generator_id', 'g', "
-            f"'--prompts_per_batch', '8', '--lockstep', '{lockstep}']\n"
+            f"time.sleep = sleep; sys.argv = ['generate.py', '--run_dir', {run_dir!r}, '--generator_id', 'g']\n"
             "generate.main()")
     try:
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     finally:
         lease.release()
-    expected = "naps [0.05, 0.05, 0.05, 0.05, 0.05]" if lockstep else "naps [0.2, 0.2, 0.2, 0.2, 0.2] lease reads 5\n"
-    assert expected in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
-    assert len(Storage(run_dir).list("rollouts")) == lockstep  # lockstep: one batch, for version 0
+    assert "naps [0.2, 0.2, 0.2, 0.2, 0.2] lease reads 5\n" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+    assert Storage(run_dir).list("rollouts") == []
 
 
 def test_a_generator_leaves_room_for_eight_of_its_batches_on_a_bucket_and_in_a_folder(s3_bucket, tmp_path):
